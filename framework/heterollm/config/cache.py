@@ -1,0 +1,88 @@
+"""xLLM flag groups for weights/VMM, the KV cache and the KV cache store."""
+
+import json
+
+from pydantic import Field, ValidationError, field_validator
+
+from heterollm.config.base import FlagGroup, Int32, Int64, UInt32, choice, flag
+
+
+class VmmConfig(FlagGroup):
+    """weight loading / VMM (NPU) flags (xLLM)."""
+
+    enable_vmm_weights: bool = flag(False, "为模型权重启用 VMM。与 enable_vmm_kvcache 独立,仅 NPU 支持。")
+    enable_rolling_load: bool = flag(False, "使用固定数量的 HBM 槽位按层加载 DiT 权重,仅 NPU 支持。")
+    rolling_load_num_cached_layers: Int32 = flag(2, "enable_rolling_load=true 时 HBM 中保留的 decoder layer 权重槽位数量。", ge=0)
+    rolling_load_num_rolling_slots: Int32 = flag(-1, "decoder rolling load 使用的 rolling 槽位数量;固定槽位数为 rolling_load_num_cached_layers - rolling_load_num_rolling_slots。-1 表示自动设置为 min(2, preload_count),取值需在 [-1, rolling_load_num_cached_layers] 范围内。", ge=-1)
+
+
+class KVEventsConfig(FlagGroup):
+    """The JSON object inside --kv_events_config (validated when the flag is set)."""
+
+    publisher: choice("zmq") = flag("zmq", "发布器类型,当前仅支持 zmq。")
+    endpoint: str = Field(..., pattern=r"^tcp://\S+$", description="vLLM 风格 KV 事件的 ZeroMQ 发布基准地址,例如 tcp://*:5557。必须为非空 TCP 地址。")
+    replay_endpoint: str = flag("", "快照恢复请求的 ZeroMQ 基准地址,例如 tcp://*:6557;空字符串禁用该入口。恢复回复使用当前全量快照和对应的实时流序号。")
+    motor_pool_endpoint: str = flag("", "Motor 本地 Host 副本确认事件的 ZeroMQ 发布基准地址,例如 tcp://*:7557;空字符串禁用该流。")
+    topic: str = flag("", "发布的 ZeroMQ topic;消费端的订阅过滤器需要匹配该 topic。")
+    hwm: Int32 = flag(10000, "ZeroMQ 发送队列高水位,单位为消息数;必须为正数。", gt=0)
+    snapshot_interval_seconds: Int32 = flag(60, "周期性发布全量驻留快照的间隔,单位为秒;必须为正数。", gt=0)
+
+
+class KVCacheConfig(FlagGroup):
+    """KV cache flags (xLLM)."""
+
+    block_size: Int32 = flag(128, "每个 KV Cache block 的 slot 数。", gt=0)
+    max_cache_size: Int64 = flag(0, "KV Cache 的容量上限,单位 byte;虚拟内存模式下限制 KV 与权重共享池的容量。0 表示不设显式字节上限,根据可用显存推导容量。", ge=0)
+    max_memory_utilization: float = flag(0.8, "模型推理可使用的设备显存比例,包括模型权重和 KV Cache。物理 KV Cache 和固定 VMM 要求取值在 (0, 1] 内。弹性 VMM 在启动容量估算、arena 预留和物理页增长时均忽略该比例,容量由实时可用显存和已观察到的执行余量决定。", gt=0, le=1, aliases=("gpu_memory_utilization",))
+    kv_cache_dtype: choice("auto", "int8") = flag("auto", "KV Cache 量化数据类型;auto 表示与模型 dtype 对齐且不量化,int8 表示启用 INT8 量化,仅 MLU 后端支持。")
+    indexer_cache_dtype: choice("auto", "int8") = flag("auto", "带 indexer cache 的模型所使用的 indexer cache 数据类型。支持 auto 和 int8;auto 表示与模型 dtype 对齐且不量化,int8 表示启用 INT8 indexer cache 量化。")
+    enable_prefix_cache: bool = flag(True, "是否在 block manager 中启用 prefix cache;详见 Prefix Cache。", aliases=("enable_prefix_caching",))
+    kv_events_config: str = flag("", "KV 驻留事件发布配置,为 JSON 对象字符串;空字符串禁用上报。JSON 字段和示例见下文。")
+    enable_in_batch_prefix_cache: bool = flag(False, "是否将已准入的 prefill 完整 block 缓存进 prefix cache,使同一 batch 内的后续请求可以共享。")
+    max_linear_state_cache_slots: Int64 = flag(0, "linear-attention state cache 的最大活跃槽位数;0 表示根据可用 KV Cache 预算自动推导容量。", ge=0)
+    xxh3_128bits_seed: UInt32 = flag(1024, "XXH3 128-bit 哈希的默认 seed。")
+    enable_vmm_kvcache: bool = flag(False, "为 KV Cache 启用 VMM,与 enable_vmm_weights 独立;false 使用原有物理 KV Cache 实现,仅 NPU 支持。")
+    enable_shared_kv_cache: bool = flag(False, "target Full KV、Linear state extents 与兼容的 Full-only MTP draft KV 共享固定物理 arena。target/draft 使用不同 bank 视图及相同最终页号,Linear state 可复用 draft bank 空间。draft Full 行几何须与 target 一致,draft 层数须能填满 companion bank。原生 NPU Torch Qwen hybrid 路径仍限普通 eager;Python 路径支持 eager/chunked prefill、ACL decode/verify 和普通 Qwen3.5/3.8 MTP。")
+    vmm_elastic: bool = flag(True, "任一 VMM 开关启用后,按需扩张活动逻辑槽位及物理页,并释放空闲页的物理内存;false 使用固定驻留池。")
+    vmm_memory_reserve_bytes: Int64 = flag(0, "弹性虚拟内存增长时额外保留的设备空闲显存,单位 byte,须非负;在运行时执行预留空间之外叠加生效。", ge=0)
+    vmm_startup_timeout_ms: Int32 = flag(120000, "VMM 启动时,master 等待节点注册、各非 master 等待物理池就绪分别使用的超时,单位毫秒,须为正数。独立于单次 RPC 超时,每个等待阶段单独计时。", gt=0)
+    phy_page_granularity_size: Int64 = flag(2097152, "单个物理页的粒度大小,单位 byte,默认 2 MiB;用于连续 KV Cache。", gt=0)
+
+    @field_validator("kv_events_config")
+    @classmethod
+    def _check_kv_events(cls, value: str) -> str:
+        if value:
+            try:
+                parse_kv_events_config(value)
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                where = ".".join(str(p) for p in first["loc"]) or "value"
+                raise ValueError(f"field {where!r}: {first['msg']}") from None
+        return value
+
+
+def parse_kv_events_config(text: str) -> KVEventsConfig:
+    """Parse and validate the --kv_events_config JSON object string."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"is not valid JSON ({exc.msg} at position {exc.pos})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"must be a JSON object, got {type(data).__name__}")
+    return KVEventsConfig.model_validate(data)
+
+
+class KVCacheStoreConfig(FlagGroup):
+    """KV cache store flags (xLLM)."""
+
+    prefetch_timeout: UInt32 = flag(0, "到期后停止下发新的 KV Cache Store 预取批次,并等待在途批次完成;0 表示无限等待。")
+    prefetch_batch_size: UInt32 = flag(2, "从 KV Cache Store 预取并拷贝的 batch size。")
+    layers_wise_copy_batchs: UInt32 = flag(4, "按层执行 H2D 拷贝的 batch 数。")
+    host_blocks_factor: float = flag(0.0, "host block 系数,例如 host block num = host_blocks_factor * hbm block num。", ge=0)
+    enable_kvcache_store: bool = flag(False, "是否启用 KV Cache Store。")
+    store_protocol: choice("tcp", "rdma") = flag("tcp", "KV Cache Store 协议,例如 tcp、rdma。")
+    store_rdma_devices: str = flag("", "xLLM Worker 内嵌 Store client 使用的 RDMA HCA 列表,多个设备以逗号分隔;空值表示由 Mooncake 自动发现。")
+    store_master_server_address: str = flag("", "Store master 地址。单机模式使用 IP:Port;etcd 高可用模式使用 etcd://IP:Port;IP:Port;...。")
+    store_metadata_server: str = flag("", "KV Cache Store metadata service 的地址。")
+    store_local_hostname: str = flag("", "KV Cache Store client 的本地主机名。")
+    enable_control_h2d_block_num: bool = flag(False, "是否控制 H2D 拷贝的 block 数。")

@@ -1,0 +1,114 @@
+"""The central table of which flags work where.
+
+A flag listed here may only leave its default on the platforms the rule names (or, for a rule
+with no platforms, not at all yet). Launch collects every refusal into one error, so a flag is
+never silently ignored. Flags not listed work everywhere.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from heterollm.config.schema import FLAG_SPECS, HeterollmConfig
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Why a flag cannot leave its default here."""
+
+    reason: str
+    platforms: frozenset[str] = frozenset()
+    """Platforms that own the flag; empty means no platform implements it yet."""
+    ok_values: tuple[Any, ...] = ()
+    """Non-default values that are accepted anyway (e.g. turning an unbuilt feature off)."""
+
+
+def _rules(names: str, reason: str, platforms: tuple[str, ...] = (), ok: tuple[Any, ...] = ()) -> dict[str, Rule]:
+    return {n: Rule(reason, frozenset(platforms), ok) for n in names.split()}
+
+
+NPU_ONLY = "Ascend NPU only"
+MLU_ONLY = "Cambricon MLU only"
+CUDA_ONLY = "CUDA only"
+DIT = "DiT (diffusion) models only; heterollm serves text LLMs"
+MULTIMODAL = "multimodal models are not supported yet"
+NO_EQUIVALENT = "FastDeploy-internal; heterollm has no such component"
+
+RULES: dict[str, Rule] = {
+    **_rules("enable_vmm_weights enable_rolling_load rolling_load_num_cached_layers rolling_load_num_rolling_slots "
+             "enable_vmm_kvcache enable_shared_kv_cache vmm_elastic vmm_memory_reserve_bytes vmm_startup_timeout_ms "
+             "communication_backend enable_graph_double_buffer acl_graph_decode_batch_size_limit "
+             "block_draft_graph_warmup_max_kv_len npu_kernel_backend enable_fused_mc2 enable_dspark_native_sas "
+             "rank_tablefile enable_multi_stream_parallel micro_batch_num", NPU_ONLY, ("npu",)),
+    **_rules("kv_cache_dtype", MLU_ONLY, ("mlu",)),
+    **_rules("enable_prefill_piecewise_graph enable_graph_vmm_pool flashinfer_workspace_buffer_size "
+             "enable_custom_all_reduce", CUDA_ONLY, ("cuda",)),
+    **_rules("sp_size cfg_size vae_size max_requests_per_batch " + " ".join(
+        n for n in FLAG_SPECS if n.startswith("dit_")), DIT),
+    **_rules("limit_image_per_prompt max_encoder_cache_size enable_return_mm_full_embeddings mm_download_headers "
+             "use_audio_in_video audio_max_upload_file_mb audio_max_decode_duration_s enable_mm_encoder_dp "
+             "enable_return_embedding_modality_tags mm_processor_kwargs limit_mm_per_prompt enable_mm", MULTIMODAL),
+    **_rules("engine_worker_queue_port cache_queue_port", NO_EQUIVALENT),
+}
+
+def _planned(names: str, reason: str, ok: tuple[Any, ...] = ()) -> None:
+    """Features that a later issue builds: each entry leaves when its feature lands."""
+    RULES.update(_rules(names, f"not built yet ({reason})", (), ok))
+
+
+_planned("model_id backend task reasoning_parser tool_call_parser enable_qwen3_reranker use_cpp_chat_template "
+         "tokenizer quantization chat_template served_model_name revision dtype tool_parser_plugin load_choices "
+         "dynamic_load_weight use_warmup", "the engine issue")
+_planned("block_size max_cache_size max_memory_utilization num_gpu_blocks_override max_tokens_per_batch "
+         "max_seqs_per_batch enable_chunked_prefill max_tokens_per_chunk_for_prefill enable_mix_batch "
+         "request_queue_size max_model_len random_seed kv_cache_ratio static_decode_blocks "
+         "max_num_partial_prefills max_long_partial_prefills long_prefill_token_threshold "
+         "prefill_scheduling_memory_usage_threshold", "the engine issue")
+_planned("host port rpc_idle_timeout_s rpc_channel_timeout_ms max_reconnect_count num_threads "
+         "max_concurrent_requests num_request_handling_threads num_response_handling_threads metrics_port "
+         "max_waiting_time enable_logprob", "the OpenAI server issue")
+_planned("enable_in_batch_prefix_cache kv_events_config xxh3_128bits_seed chunked_match_frequency priority_strategy "
+         "aggressive_coeff starve_threshold enable_starve_prevent swap_space", "the prefix cache / policies issue",
+         ok=())
+_planned("enable_prefix_cache", "the prefix cache issue; --noenable_prefix_cache is accepted", ok=(False,))
+_planned("dp_size ep_size cp_size kv_split_size tp_size health_check_interval_ms master_node_addr "
+         "worker_memory_master_node_addr nnodes node_rank enable_attn_dp_weight_sharding enable_eplb "
+         "redundant_experts_num eplb_update_interval expert_parallel_degree enable_expert_parallel "
+         "enable_dp_fair_token_budget", "the parallelism issue")
+_planned("enable_graph enable_graph_mode_decode_no_padding max_tokens_for_graph_mode graph_optimization_config "
+         "enable_shm use_contiguous_input_buffer input_shm_size output_shm_size enable_schedule_overlap",
+         "the accelerator backends issue")
+_planned("draft_model num_speculative_tokens speculative_algorithm speculative_suffix_cache_max_depth "
+         "speculative_suffix_max_cached_requests speculative_suffix_use_tree_spec enable_probabilistic_draft "
+         "speculative_config", "speculative decoding")
+_planned("guided_decoding_backend guided_decoding_disable_any_whitespace", "structured output")
+_planned("enable_kvcache_store prefetch_timeout prefetch_batch_size layers_wise_copy_batchs host_blocks_factor "
+         "store_protocol store_rdma_devices store_master_server_address store_metadata_server store_local_hostname "
+         "enable_control_h2d_block_num", "KV cache store / host tier")
+_planned("enable_disagg_pd disagg_pd_port instance_role kv_cache_transfer_mode transfer_listen_port "
+         "kv_push_dst_rotate splitwise_role innode_prefill_ports", "PD disaggregation")
+_planned("etcd_addr etcd_namespace enable_service_routing xservice_rpc_protocol xservice_address heart_beat_interval "
+         "etcd_ttl", "service discovery")
+_planned("enable_profile_step_time enable_profile_token_budget enable_latency_aware_schedule "
+         "profile_max_prompt_length max_global_ttft_ms max_global_tpot_ms enable_profile_kv_blocks "
+         "disable_ttft_profiling enable_online_profile profile_backend profile_dir", "profiling")
+_planned("indexer_cache_dtype max_linear_state_cache_slots phy_page_granularity_size enable_dsa_multi_stream",
+         "models with indexer / linear-attention caches")
+
+
+def check_support(config: HeterollmConfig, platform: str) -> list[str]:
+    """One line per flag that leaves its default where no rule allows it."""
+    values = config.flat()
+    problems = []
+    for name, rule in RULES.items():
+        value = values[name]
+        default = FLAG_SPECS[name].field.get_default(call_default_factory=True)
+        if value == default or value in rule.ok_values or platform in rule.platforms:
+            continue
+        where = f" (selected platform: {platform})" if rule.platforms else ""
+        problems.append(f"--{name}={_show(value)}: {rule.reason}{where}")
+    return problems
+
+
+def _show(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)

@@ -1,0 +1,19 @@
+"""The contracts a backend implements: Platform, AttentionBackend, GraphRunner, Communicator, Executor.
+
+A backend distribution declares the contract range it implements in its top-level package
+(`__heterollm_api__ = ">=1.0,<2"`); the registry checks it against API_VERSION before it
+imports any of the backend's modules.
+"""
+from heterollm.interfaces.attention import AttentionBackend, AttentionInputs, AttentionMetadata
+from heterollm.interfaces.batch import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from heterollm.interfaces.communicator import Communicator
+from heterollm.interfaces.component import Component
+from heterollm.interfaces.executor import Executor
+from heterollm.interfaces.graph_runner import GraphRunner
+from heterollm.interfaces.platform import Platform
+
+API_VERSION = "1.0"
+
+__all__ = ["API_VERSION", "AttentionBackend", "AttentionInputs", "AttentionMetadata", "RunnerOutput",
+           "ScheduledRequest", "SchedulerOutput", "TokenLogprobs", "Communicator", "Component", "Executor",
+           "GraphRunner", "Platform"]

@@ -1,0 +1,60 @@
+"""The step's data crossing the engine/executor boundary: SchedulerOutput in, RunnerOutput back."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    """Tokens to compute this step: a prefill chunk, or the last sampled token for a decode."""
+    num_computed_tokens: int
+    """Tokens of this request already in the KV cache before this step."""
+    block_ids: list[int]
+    """The request's whole block table after this step's allocation."""
+    sample: bool
+    """Whether to sample a token after this step (False for a prefill chunk that is not the last)."""
+    sampling: Any = None
+    """The request's SamplingParams (and generator state) when `sample` is True."""
+    output_token_ids: list[int] = field(default_factory=list)
+    """Tokens generated so far (for penalties)."""
+    prompt_token_ids: list[int] = field(default_factory=list)
+    """The full prompt (for penalties and prompt logprobs)."""
+    want_prompt_logprobs: bool = False
+
+
+@dataclass
+class SchedulerOutput:
+    """Everything the executor needs for one step, in batch order."""
+
+    requests: list[ScheduledRequest]
+    finished_request_ids: list[str] = field(default_factory=list)
+    """Requests that ended since the last step (their per-request state can be dropped)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.new_token_ids) for r in self.requests)
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of the chosen token and the top-k alternatives at one position."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class RunnerOutput:
+    """Per scheduled request: the sampled tokens (empty for an unfinished prefill chunk)."""
+
+    request_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprobs] | None]
+    prompt_logprobs: list[list[TokenLogprobs | None] | None]

@@ -1,0 +1,49 @@
+"""Communicator: collectives for tensor parallelism (entry-point group `heterollm.communicators`)."""
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import TYPE_CHECKING
+
+from heterollm.interfaces.component import Component
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Communicator(Component):
+    """Collectives over a torch.distributed process group of the platform's `dist_backend`.
+    Models call only this, never torch.distributed. With world_size 1 every call is a no-op."""
+
+    @abstractmethod
+    def __init__(self, rank: int, world_size: int, init_method: str | None) -> None:
+        """Join (or, for world_size 1, skip) the process group."""
+
+    @property
+    @abstractmethod
+    def rank(self) -> int:
+        """This process's rank in the group."""
+
+    @property
+    @abstractmethod
+    def world_size(self) -> int:
+        """Number of ranks in the group."""
+
+    @abstractmethod
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` across ranks; returns the reduced tensor (may be `tensor`, reduced in place)."""
+
+    @abstractmethod
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's `tensor` along `dim`, in rank order."""
+
+    @abstractmethod
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Copy `src`'s tensor to every rank."""
+
+    @abstractmethod
+    def barrier(self) -> None:
+        """Wait until every rank reaches this call."""
+
+    @abstractmethod
+    def destroy(self) -> None:
+        """Leave the process group."""

@@ -1,0 +1,54 @@
+"""Platform: one per device kind (entry-point group `heterollm.platforms`)."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from heterollm.config import HeterollmConfig
+
+
+class Platform(ABC):
+    """A device kind. Constructing one and calling `is_available()` must not initialize the device
+    beyond what the vendor library allows (import checks and device counts only)."""
+
+    name: ClassVar[str]
+    """The name `--device` selects (cpu, cuda, npu, mlu, ...)."""
+    device_type: ClassVar[str]
+    """The torch device string for tensors on this platform."""
+    dist_backend: ClassVar[str]
+    """torch.distributed backend for collectives: gloo, nccl, hccl, cncl."""
+    default_impl: ClassVar[str]
+    """Component family used for every group when `--extension_impl` is empty or lacks the group."""
+
+    @abstractmethod
+    def is_available(self) -> bool:
+        """Whether this platform can run here (library importable, at least one device)."""
+
+    @abstractmethod
+    def unavailable_reason(self) -> str:
+        """Why `is_available()` is False, in one line (e.g. "torch_npu not importable"); "" when available."""
+
+    @abstractmethod
+    def device_count(self) -> int:
+        """Number of devices of this kind visible to the process."""
+
+    @abstractmethod
+    def memory_info(self, device: int = 0) -> tuple[int, int]:
+        """(free, total) bytes of memory on `device`; on CPU, of system memory."""
+
+    @abstractmethod
+    def set_device(self, rank: int) -> None:
+        """Bind the calling process to the device for `rank`."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Wait for all queued work on the current device."""
+
+    @abstractmethod
+    def seed(self, seed: int) -> None:
+        """Seed the device's random generators."""
+
+    @abstractmethod
+    def validate(self, config: HeterollmConfig) -> list[str]:
+        """Reasons this platform cannot serve `config` (platform-owned flags are checked here)."""
