@@ -44,4 +44,14 @@ def choice(*allowed: str) -> Any:
             raise ValueError(f"must be one of {shown}, got {value!r}")
         return value
 
+    check.allowed = allowed  # type: ignore[attr-defined]  # read back by flag_choices()
     return Annotated[str, AfterValidator(check)]
+
+
+def flag_choices(field_info: Any) -> tuple[str, ...] | None:
+    """The allowed values of a `choice()` flag, or None for an open flag."""
+    for meta in getattr(field_info, "metadata", ()):
+        allowed = getattr(getattr(meta, "func", None), "allowed", None)
+        if allowed is not None:
+            return tuple(allowed)
+    return None
