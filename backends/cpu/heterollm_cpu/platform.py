@@ -1,0 +1,60 @@
+"""The CPU platform: always available, system memory, gloo collectives."""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from heterollm.interfaces import Platform
+
+if TYPE_CHECKING:
+    from heterollm.config import HeterollmConfig
+
+
+def _meminfo() -> dict[str, int]:
+    out = {}
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                out[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+    device_type = "cpu"
+    dist_backend = "gloo"
+    default_impl = "cpu"
+
+    def is_available(self) -> bool:
+        return True
+
+    def unavailable_reason(self) -> str:
+        return ""
+
+    def device_count(self) -> int:
+        return 1
+
+    def memory_info(self, device: int = 0) -> tuple[int, int]:
+        info = _meminfo()
+        if "MemTotal" in info:
+            return info.get("MemAvailable", info.get("MemFree", 0)), info["MemTotal"]
+        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        free = os.sysconf("SC_AVPHYS_PAGES") * size
+        return free, pages * size
+
+    def set_device(self, rank: int) -> None:
+        """One CPU device; ranks share it."""
+
+    def synchronize(self) -> None:
+        """CPU ops are synchronous."""
+
+    def seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def validate(self, config: HeterollmConfig) -> list[str]:
+        return []
