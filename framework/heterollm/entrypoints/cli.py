@@ -1,0 +1,115 @@
+"""The `heterollm` command: serve, generate, backends, config.
+
+Every config or launch error is one line on stderr, `heterollm: error: ...`, and exit code 2;
+never a traceback.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from heterollm.config import ConfigError, LoadedConfig, dump_config, load_config
+from heterollm.config.base import FlagGroup
+from heterollm.config.loader import FlagTable
+from heterollm.config.support import check_support
+
+EXIT_USAGE = 2
+
+
+@dataclass
+class Command:
+    help: str
+    run: Callable[[LoadedConfig], int]
+    extra_groups: dict[str, type[FlagGroup]] = field(default_factory=dict)
+    needs_model: bool = True
+    takes_flags: bool = True
+
+
+def _fail(message: str) -> int:
+    print(f"heterollm: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _configure_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=getattr(logging, level, logging.INFO), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _cmd_config(loaded: LoadedConfig) -> int:
+    out = {"config": loaded.describe(), "unsupported_here": check_support(loaded.config, loaded.config.device.device)}
+    print(json.dumps(out, indent=2, ensure_ascii=False))
+    return 0
+
+
+def _cmd_backends(_: LoadedConfig | None) -> int:
+    from heterollm.entrypoints.backends import print_backends
+    return print_backends()
+
+
+def _cmd_serve(loaded: LoadedConfig) -> int:
+    from heterollm.entrypoints.launch import launch_selection
+    launch_selection(loaded.config)
+    return _fail("the engine is not built yet (the engine issue lands `serve`); "
+                 "`heterollm config --model ...` shows the effective config")
+
+
+def _cmd_generate(loaded: LoadedConfig) -> int:
+    from heterollm.entrypoints.launch import launch_selection
+    launch_selection(loaded.config)
+    return _fail("the engine is not built yet (the engine issue lands `generate`); "
+                 "`heterollm config --model ...` shows the effective config")
+
+
+COMMANDS: dict[str, Command] = {
+    "serve": Command("run the OpenAI-compatible HTTP server", _cmd_serve),
+    "generate": Command("generate text for a prompt, offline", _cmd_generate),
+    "backends": Command("list discovered platforms and components, with origin and usability", _cmd_backends,
+                        needs_model=False, takes_flags=False),
+    "config": Command("print the effective config as JSON, with each value's source", _cmd_config),
+}
+
+
+def usage() -> str:
+    lines = ["usage: heterollm <command> --model MODEL [--flag=value ...]", "", "commands:"]
+    lines += [f"  {name:<10} {cmd.help}" for name, cmd in COMMANDS.items()]
+    lines += ["", "Flags follow xLLM (gflags style; FastDeploy spellings are aliases). Only --model is required.",
+              "Precedence: command line > --config_json_file > defaults. Full reference: docs/flags.md"]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0 if argv else EXIT_USAGE
+    name, rest = argv[0], argv[1:]
+    command = COMMANDS.get(name)
+    if command is None:
+        return _fail(f"unknown command {name!r}; commands: {', '.join(COMMANDS)}")
+    if any(a in ("-h", "--help") for a in rest):
+        print(usage())
+        return 0
+    from heterollm.plugins import LaunchError
+    try:
+        if not command.takes_flags:
+            if rest:
+                return _fail(f"`heterollm {name}` takes no flags, got {rest[0]!r}")
+            return command.run(None)
+        loaded = load_config(rest, table=FlagTable(command.extra_groups))
+        if command.needs_model and not loaded.config.model.model:
+            return _fail("--model is required (a model folder, a GGUF file, or the alias `smollm2`)")
+        if loaded.config.json_utils.enable_dump_config_json:
+            path = dump_config(loaded.config, loaded.config.json_utils.dump_config_json_file)
+            print(f"heterollm: wrote effective config to {path}", file=sys.stderr)
+        return command.run(loaded)
+    except (ConfigError, LaunchError) as exc:
+        return _fail(str(exc))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
