@@ -1,0 +1,58 @@
+"""Every CLI error path: one line on stderr naming the flag, exit code 2, no traceback."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["config"], "--model is required"),
+    (["serve"], "--model is required"),
+    (["generate", "--max_model_len=8"], "--model is required"),
+    (["config", "--model", "m", "--max_modl_len=5"], "did you mean --max_model_len"),
+    (["config", "--model", "m", "--max_memory_utilization=0"], "--max_memory_utilization"),
+    (["config", "--model", "m", "--max_memory_utilization=1.01"], "--max_memory_utilization"),
+    (["config", "--model", "m", "--block_size=0"], "--block_size"),
+    (["config", "--model", "m", "--block_size=x"], "--block_size"),
+    (["config", "--model", "m", "--kv_events_config", '{"endpoint":"tcp://*:1","hwm":0}'], "hwm"),
+    (["config", "--model", "m", "--kv_events_config", "3"], "--kv_events_config"),
+    (["config", "--model", "m", "--dit_sparse_attention_sparsity=1.0"], "--dit_sparse_attention_sparsity"),
+    (["config", "--model", "m", "--config_json_file=/nonexistent.json"], "--config_json_file"),
+    (["serve", "--model", "m", "--device=npu"], "--device=npu: no platform 'npu' is installed"),
+    (["serve", "--model", "m", "--extension_impl=nosuch"], "--extension_impl=nosuch"),
+    (["serve", "--model", "m", "--enable_fused_mc2=1"], "--enable_fused_mc2=1: Ascend NPU only"),
+    (["serve", "--model", "m", "--kv_cache_dtype=int8"], "--kv_cache_dtype=int8: Cambricon MLU only"),
+    (["serve", "--model", "m", "--dit_cache_policy=x"], "--dit_cache_policy"),
+    (["nosuchcommand"], "unknown command"),
+    (["backends", "--model", "m"], "takes no flags"),
+])
+def test_cli_error(cli, args, needle):
+    r = cli(*args)
+    assert r.rc == 2, (r.rc, r.out, r.err)
+    assert needle in r.err, r.err
+    assert "Traceback" not in r.err and "Traceback" not in r.out
+    assert r.err.startswith("heterollm: error: ")
+
+
+def test_cli_reports_all_launch_reasons_at_once(cli):
+    r = cli("serve", "--model", "m", "--enable_fused_mc2=2", "--kv_cache_dtype=int8")
+    assert r.rc == 2
+    assert "--enable_fused_mc2" in r.err and "--kv_cache_dtype" in r.err
+
+
+def test_config_prints_sources(cli, tmp_path):
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps({"block_size": 64, "max_seqs_per_batch": 3}))
+    r = cli("config", "--model", "m", "--config_json_file", str(p), "--max-num-seqs", "5")
+    assert r.rc == 0, r.err
+    out = json.loads(r.out)["config"]
+    assert out["kv_cache"]["block_size"] == {"value": 64, "source": "json"}
+    assert out["scheduler"]["max_seqs_per_batch"] == {"value": 5, "source": "cli"}
+    assert out["model"]["model"] == {"value": "m", "source": "cli"}
+    assert out["scheduler"]["max_tokens_per_batch"]["source"] == "default"
+
+
+def test_help(cli):
+    r = cli("--help")
+    assert r.rc == 0 and "serve" in r.out and "backends" in r.out

@@ -1,0 +1,71 @@
+"""Shared test helpers: run the CLI in a subprocess, fake installed distributions."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+
+@dataclass
+class CliResult:
+    rc: int
+    out: str
+    err: str
+
+
+def run_cli(*args: str, cwd: str | os.PathLike | None = None, extra_path: str | os.PathLike | None = None,
+            timeout: float = 120) -> CliResult:
+    env = dict(os.environ)
+    if extra_path:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(extra_path), env.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "heterollm.entrypoints.cli", *args], capture_output=True,
+                          text=True, cwd=cwd, env=env, timeout=timeout)
+    return CliResult(proc.returncode, proc.stdout, proc.stderr)
+
+
+@pytest.fixture
+def cli():
+    return run_cli
+
+
+def write_fake_dist(root: Path, dist: str, version: str, entry_points: dict[str, dict[str, str]],
+                    modules: dict[str, str]) -> Path:
+    """Lay out an installed distribution (dist-info + modules) under `root`, as pip would."""
+    root.mkdir(parents=True, exist_ok=True)
+    info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    lines = []
+    for group, eps in entry_points.items():
+        lines.append(f"[{group}]")
+        lines += [f"{name} = {target}" for name, target in eps.items()]
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    for rel, source in modules.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(source))
+    return root
+
+
+@pytest.fixture
+def fake_dists(tmp_path, monkeypatch):
+    """Returns add(dist, version, entry_points, modules); the dists are importable in-process
+    (sys.path) and for subprocesses (the returned root goes on PYTHONPATH)."""
+    root = tmp_path / "site"
+    root.mkdir()
+    monkeypatch.syspath_prepend(str(root))
+
+    def add(dist, version, entry_points, modules):
+        write_fake_dist(root, dist, version, entry_points, modules)
+        import importlib
+        importlib.invalidate_caches()
+        return root
+
+    yield add
+    for name in [m for m in sys.modules if m.startswith("fakeplug")]:
+        del sys.modules[name]
