@@ -76,6 +76,10 @@ class CpuPagedAttention(AttentionBackend):
             k = k_cache[blocks].reshape(len(decodes), nb * block_size, num_kv_heads, head_dim)[:, :max_len]
             v = v_cache[blocks].reshape(len(decodes), nb * block_size, num_kv_heads, head_dim)[:, :max_len]
             mask = torch.arange(max_len).unsqueeze(0) < lens.unsqueeze(1)  # (B, L)
+            # slots past a sequence's length may never have been written (the cache is allocated
+            # empty): zero them so that garbage (even NaN) cannot leak through 0-weight products
+            pad = ~mask[:, :, None, None]
+            k, v = k.masked_fill(pad, 0), v.masked_fill(pad, 0)
             q_rows = torch.tensor([starts[i] for i in decodes], dtype=torch.long)
             q = query[q_rows].unsqueeze(2)  # (B, H, 1, D)
             o = F.scaled_dot_product_attention(

@@ -1,34 +1,14 @@
-"""The CPU executor: one in-process worker."""
+"""The CPU executor: one in-process worker running the core's ModelRunner with this backend's
+attention and eager runner. Tensor parallelism (one process per rank over gloo) comes with the
+parallelism issue."""
 from __future__ import annotations
 
-from typing import Any
-
-from heterollm.interfaces import Executor
-
-_NOT_YET = "the engine is not built yet (the engine issue gives the CPU executor its body)"
+from heterollm.model_executor.executor import InProcessExecutor
 
 
-class CpuExecutor(Executor):
+class CpuExecutor(InProcessExecutor):
     platforms = ("cpu",)
 
     @classmethod
     def validate(cls, config) -> list[str]:
         return []
-
-    def __init__(self, launch: Any) -> None:
-        self.launch = launch
-
-    def load_model(self) -> None:
-        raise NotImplementedError(_NOT_YET)
-
-    def determine_num_blocks(self) -> int:
-        raise NotImplementedError(_NOT_YET)
-
-    def initialize_cache(self, num_blocks: int) -> None:
-        raise NotImplementedError(_NOT_YET)
-
-    def execute(self, scheduler_output):
-        raise NotImplementedError(_NOT_YET)
-
-    def shutdown(self) -> None:
-        pass

@@ -24,6 +24,17 @@ def _meminfo() -> dict[str, int]:
     return out
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith(("flags", "Features")):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
 class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
@@ -55,6 +66,14 @@ class CpuPlatform(Platform):
 
     def seed(self, seed: int) -> None:
         torch.manual_seed(seed)
+
+    def supports_dtype(self, dtype: str) -> bool:
+        if dtype == "float32":
+            return True
+        flags = _cpu_flags()
+        if dtype == "bfloat16":
+            return bool({"avx512_bf16", "amx_bf16"} & flags) or "asimdbf16" in flags or "bf16" in flags
+        return bool({"avx512_fp16", "amx_fp16"} & flags) or "asimdhp" in flags
 
     def validate(self, config: HeterollmConfig) -> list[str]:
         return []

@@ -56,14 +56,14 @@ def _planned(names: str, reason: str, ok: tuple[Any, ...] = ()) -> None:
     RULES.update(_rules(names, f"not built yet ({reason})", (), ok))
 
 
-_planned("model_id backend task reasoning_parser tool_call_parser enable_qwen3_reranker use_cpp_chat_template "
-         "tokenizer quantization chat_template served_model_name revision dtype tool_parser_plugin load_choices "
-         "dynamic_load_weight use_warmup", "the engine issue")
-_planned("block_size max_cache_size max_memory_utilization num_gpu_blocks_override max_tokens_per_batch "
-         "max_seqs_per_batch enable_chunked_prefill max_tokens_per_chunk_for_prefill enable_mix_batch "
-         "request_queue_size max_model_len random_seed kv_cache_ratio static_decode_blocks "
-         "max_num_partial_prefills max_long_partial_prefills long_prefill_token_threshold "
-         "prefill_scheduling_memory_usage_threshold", "the engine issue")
+_planned("model_id reasoning_parser tool_call_parser enable_qwen3_reranker served_model_name tool_parser_plugin",
+         "the OpenAI server issue")
+_planned("backend", "vlm and dit backends; --backend=llm is accepted", ok=("llm",))
+_planned("task", "embedding tasks; --task=generate is accepted", ok=("generate",))
+_planned("quantization revision load_choices dynamic_load_weight use_warmup",
+         "quantized execution / weight reloading (weights are dequantized on load)")
+_planned("kv_cache_ratio static_decode_blocks max_num_partial_prefills max_long_partial_prefills "
+         "long_prefill_token_threshold prefill_scheduling_memory_usage_threshold", "scheduler policies issue")
 _planned("host port rpc_idle_timeout_s rpc_channel_timeout_ms max_reconnect_count num_threads "
          "max_concurrent_requests num_request_handling_threads num_response_handling_threads metrics_port "
          "max_waiting_time enable_logprob", "the OpenAI server issue")

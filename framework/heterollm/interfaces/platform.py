@@ -49,6 +49,11 @@ class Platform(ABC):
     def seed(self, seed: int) -> None:
         """Seed the device's random generators."""
 
+    def supports_dtype(self, dtype: str) -> bool:
+        """Whether `dtype` ("float32", "bfloat16", "float16") runs natively here; `--dtype auto`
+        avoids the ones that do not. Optional: the default says yes to all."""
+        return True
+
     @abstractmethod
     def validate(self, config: HeterollmConfig) -> list[str]:
         """Reasons this platform cannot serve `config` (platform-owned flags are checked here)."""

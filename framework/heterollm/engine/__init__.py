@@ -1,0 +1,1 @@
+"""Requests, the step loop and the offline LLM API."""

@@ -1,0 +1,88 @@
+"""The offline API: `LLM(model=..., **flags).generate(...)` and `.chat(...)`."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from heterollm.config import load_config
+from heterollm.engine.llm_engine import LLMEngine
+from heterollm.engine.outputs import RequestOutput
+from heterollm.sampling import SamplingParams
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """Keyword arguments are launch flags (any spelling the CLI accepts, e.g. `block_size=16`,
+    `max_num_seqs=8`, `dtype="float32"`), validated exactly like the command line."""
+
+    def __init__(self, model: str, **flags: Any) -> None:
+        loaded = load_config([], overrides={"model": model, **flags})
+        self.config = loaded.config
+        self.engine = LLMEngine(self.config)
+        self._counter = 0
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer.hf
+
+    def _default_params(self) -> SamplingParams:
+        return SamplingParams(**self.engine.source.generation_defaults)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams |
+                 Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion in one continuous batch; outputs in input order.
+
+        `prompts`: a string, a list of token ids, a dict with `prompt` or `prompt_token_ids`, or a
+        list of those. A bad prompt or parameter raises ValueError naming it before anything runs."""
+        single = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                      and isinstance(prompts[0], int))
+        items = [prompts] if single else list(prompts)
+        if sampling_params is None:
+            params = [self._default_params() for _ in items]
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(items)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(items):
+                raise ValueError(f"sampling_params: {len(params)} given for {len(items)} prompts")
+        encoded = [self.engine.tokenize_prompt(p) for p in items]  # validate all before admitting any
+        return self._run([(text, ids, sp) for (text, ids), sp in zip(encoded, params)])
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | None = None, chat_template: str | None = None,
+             add_generation_prompt: bool = True, **template_kwargs: Any) -> list[RequestOutput]:
+        """Apply the model's chat template (or `chat_template`) to one conversation or a list of them."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        sp = sampling_params or self._default_params()
+        batch = []
+        for conv in convs:
+            ids = self.engine.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                                            chat_template=chat_template, **template_kwargs)
+            batch.append((None, ids, sp))
+        return self._run(batch)
+
+    def _run(self, batch: list[tuple[str | None, list[int], SamplingParams]]) -> list[RequestOutput]:
+        order = []
+        try:
+            for text, ids, sp in batch:
+                self._counter += 1
+                rid = f"offline-{self._counter}"
+                self.engine.add_request(text if text is not None else ids, sp, request_id=rid, prompt_token_ids=ids)
+                order.append(rid)
+        except Exception:
+            for rid in order:
+                self.engine.abort(rid)
+            raise
+        done: dict[str, RequestOutput] = {}
+        pending = set(order)
+        while pending:
+            for out in self.engine.step():
+                if out.finished and out.request_id in pending:
+                    done[out.request_id] = out
+                    pending.discard(out.request_id)
+            if pending and not self.engine.has_unfinished():
+                raise RuntimeError(f"requests {sorted(pending)} ended without output")
+        return [done[rid] for rid in order]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

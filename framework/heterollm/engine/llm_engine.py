@@ -1,0 +1,257 @@
+"""The synchronous engine: admission, the step loop, and output processing (incremental
+detokenization, stop conditions, n > 1 fan-out). Deterministic given seeds."""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from heterollm.config import HeterollmConfig
+from heterollm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from heterollm.engine.request import Request, RequestRejected
+from heterollm.kv_cache import KVCacheManager
+from heterollm.model_executor.loader import resolve_model
+from heterollm.model_executor.runner import LaunchContext
+from heterollm.sampling import SamplingParams
+from heterollm.scheduler import Scheduler
+from heterollm.tokenizer import IncrementalDetokenizer, load_tokenizer
+
+logger = logging.getLogger("heterollm.engine")
+
+
+@dataclass
+class _Child:
+    request: Request
+    detok: IncrementalDetokenizer
+    index: int
+    emitted_chars: int = 0
+    emitted_tokens: int = 0
+    final_text: str | None = None
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    children: list[_Child] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.request.finished for c in self.children)
+
+
+class LLMEngine:
+    def __init__(self, config: HeterollmConfig) -> None:
+        from heterollm.entrypoints.launch import launch_selection
+
+        self.config = config
+        self.selection = launch_selection(config)
+        self.source = resolve_model(config.model.model)
+        hf = self.source.hf_config
+        max_len = config.fastdeploy.max_model_len
+        model_max = getattr(hf, "max_position_embeddings", None)
+        if model_max and max_len > model_max:
+            logger.info("max_model_len %d > the model's max_position_embeddings %d; using %d", max_len, model_max,
+                        model_max)
+            max_len = model_max
+        if config.execution.random_seed >= 0:
+            self.selection.platform.seed(config.execution.random_seed)
+        executor_cls = self.selection.component("executors")
+        self.executor = executor_cls(LaunchContext(config, self.selection, self.source, max_len))
+        self.executor.load_model()
+        block_size = config.kv_cache.block_size
+        num_blocks = self.executor.determine_num_blocks()
+        capacity = num_blocks * block_size
+        if capacity < max_len:
+            logger.warning("the KV cache holds %d tokens, fewer than max_model_len %d; capping max_model_len",
+                           capacity, max_len)
+            max_len = capacity
+        self.executor.initialize_cache(num_blocks)
+        logger.info("KV cache: %d blocks of %d slots = %d tokens", num_blocks, block_size, capacity)
+        self.num_blocks = num_blocks
+        self.max_model_len = max_len
+        self.tokenizer = load_tokenizer(self.source.folder, self.source.gguf_file, config.fastdeploy.tokenizer,
+                                        self.source.eos_token_ids, config.fastdeploy.chat_template)
+        self.eos_token_ids = self.tokenizer.eos_token_ids
+        self.vocab_size = hf.vocab_size
+        self.kv = KVCacheManager(num_blocks, block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv, max_len)
+        self._parents: dict[str, _Parent] = {}
+        self._children: dict[str, tuple[_Parent, _Child]] = {}
+
+    # -- requests --------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise RequestRejected("prompt", "a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestRejected("prompt", f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            return None, list(prompt)
+        raise RequestRejected("prompt", "must be a string or a list of token ids")
+
+    def add_request(self, prompt: str | list[int] | dict[str, Any], params: SamplingParams | None = None,
+                    request_id: str | None = None, prompt_token_ids: list[int] | None = None) -> str:
+        """Admit a request (raises RequestRejected naming the bad field; nothing is admitted then)."""
+        params = params or SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._parents:
+            raise RequestRejected("request_id", f"request id {request_id!r} is already in use")
+        if prompt_token_ids is not None:
+            text, ids = (prompt if isinstance(prompt, str) else None), list(prompt_token_ids)
+        else:
+            text, ids = self.tokenize_prompt(prompt)
+        if params.max_tokens is None:
+            params.max_tokens = max(1, self.max_model_len - len(ids))
+        now = time.monotonic()
+        parent = _Parent(request_id, text, ids, params, now)
+        children = []
+        for i in range(params.n):
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(rid, ids, params, arrival_time=now, seed_offset=i, max_model_len=self.max_model_len)
+            children.append(_Child(req, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens), i))
+        added = []
+        try:
+            for child in children:
+                self.scheduler.add(child.request)
+                added.append(child)
+        except RequestRejected:
+            for child in added:
+                self.scheduler.finish(child.request.request_id, "abort")
+            raise
+        parent.children = children
+        self._parents[request_id] = parent
+        for child in children:
+            self._children[child.request.request_id] = (parent, child)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return
+        for child in parent.children:
+            self.scheduler.finish(child.request.request_id, "abort")
+            self._children.pop(child.request.request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        so = self.scheduler.schedule()
+        if not so.requests:
+            if self.scheduler.waiting and not self.scheduler.running:
+                stuck = self.scheduler.waiting[0]
+                logger.error("request %s cannot be scheduled (KV cache too small for it); aborting it",
+                             stuck.request_id)
+                self.scheduler.finish(stuck.request_id, "abort")
+                return self._outputs({self._children[stuck.request_id][0].request_id})
+            return []
+        result = self.executor.execute(so)
+        changed = self.scheduler.update(so, result)
+        touched: set[str] = set()
+        now = time.monotonic()
+        for request, tokens in changed:
+            parent, child = self._children[request.request_id]
+            if request.first_token_time is None:
+                request.first_token_time = now
+            for token in tokens:
+                self._process_token(child, token)
+                if child.final_text is not None:
+                    break
+            if child.final_text is not None:
+                request.finished_time = now
+                self.scheduler.finish(request.request_id, request.finish_reason or "stop")
+            touched.add(parent.request_id)
+        for item in so.requests:
+            if item.want_prompt_logprobs and item.request_id in self._children:
+                touched.add(self._children[item.request_id][0].request_id)
+        return self._outputs(touched)
+
+    def _process_token(self, child: _Child, token: int) -> None:
+        r, p = child.request, child.request.params
+        delta = child.detok.add(token)
+        n_out = len(r.output_token_ids)
+        can_stop = n_out >= p.min_tokens
+        if can_stop and token in p.stop_token_ids:
+            r.finish_reason, r.stop_reason = "stop", token
+        elif can_stop and not p.ignore_eos and token in self.eos_token_ids:
+            r.finish_reason = "stop"
+        elif can_stop and p.stop and delta:
+            text = child.detok.text
+            longest = max(len(s) for s in p.stop)
+            start = max(0, len(text) - len(delta) - longest + 1)
+            hits = [(text.find(s, start), s) for s in p.stop]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                idx, stop = min(hits)
+                r.finish_reason, r.stop_reason = "stop", stop
+                child.final_text = text[: idx + len(stop)] if p.include_stop_str_in_output else text[:idx]
+                return
+        if r.finish_reason is None and (n_out >= (p.max_tokens or 1 << 30) or r.num_tokens >= self.max_model_len):
+            r.finish_reason = "length"
+        if r.finish_reason is not None:
+            child.detok.flush()
+            child.final_text = child.detok.text
+
+    def _outputs(self, parent_ids: set[str]) -> list[RequestOutput]:
+        outs = []
+        for pid in sorted(parent_ids, key=lambda i: self._parents[i].arrival_time if i in self._parents else 0):
+            parent = self._parents.get(pid)
+            if parent is None:
+                continue
+            outs.append(self._output(parent))
+            if parent.finished:
+                del self._parents[pid]
+                for child in parent.children:
+                    self._children.pop(child.request.request_id, None)
+        return outs
+
+    def _output(self, parent: _Parent) -> RequestOutput:
+        completions = []
+        for child in parent.children:
+            r = child.request
+            if child.final_text is not None:
+                text = child.final_text
+                visible = len(text)
+            else:
+                text = child.detok.text
+                hold = max((len(s) for s in r.params.stop), default=1) - 1
+                visible = max(child.emitted_chars, len(text) - hold)
+            delta = text[child.emitted_chars:visible]
+            child.emitted_chars = visible
+            delta_ids = r.output_token_ids[child.emitted_tokens:]
+            child.emitted_tokens = len(r.output_token_ids)
+            completions.append(CompletionOutput(
+                index=child.index, text=text[:visible], token_ids=list(r.output_token_ids),
+                logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
+                finish_reason=r.finish_reason if r.finished or child.final_text is not None else None,
+                stop_reason=r.stop_reason, delta_text=delta, delta_token_ids=delta_ids))
+        first = parent.children[0].request
+        finished_times = [c.request.finished_time for c in parent.children if c.request.finished_time]
+        metrics = RequestMetrics(
+            arrival_time=parent.arrival_time,
+            first_token_time=min((c.request.first_token_time for c in parent.children
+                                  if c.request.first_token_time), default=None),
+            finished_time=max(finished_times) if parent.finished and finished_times else None,
+            num_prompt_tokens=len(parent.prompt_token_ids),
+            num_generated_tokens=sum(len(c.request.output_token_ids) for c in parent.children),
+            num_preemptions=sum(c.request.num_preemptions for c in parent.children))
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions,
+                             parent.finished, metrics,
+                             first.prompt_logprobs if parent.params.prompt_logprobs is not None else None)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,58 @@
+"""What the engine hands back per request."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from heterollm.interfaces import TokenLogprobs
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from arrival to the first generated token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean seconds per output token after the first."""
+        if self.finished_time is None or self.first_token_time is None or self.num_generated_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (self.num_generated_tokens - 1)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    """"stop" (EOS, stop token or stop string), "length" (max_tokens / max_model_len), "abort"."""
+    stop_reason: str | int | None = None
+    """The stop string or stop token id that ended generation, when one did."""
+    delta_text: str = ""
+    """Text new since the previous output for this request (for streaming)."""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

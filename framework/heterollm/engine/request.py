@@ -1,0 +1,69 @@
+"""A request's state as it moves through the scheduler and the output processor."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from heterollm.interfaces import TokenLogprobs
+from heterollm.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class RequestRejected(ValueError):
+    """A request the engine cannot take; `field` names the offending input (HTTP 400 / exit 2)."""
+
+    def __init__(self, field_name: str, message: str, status: int = 400) -> None:
+        self.field = field_name
+        self.status = status
+        super().__init__(message)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    seed_offset: int = 0
+    """Added to params.seed: child i of an n > 1 request samples with seed + i."""
+    max_model_len: int | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        return bool(self.output_token_ids) and self.num_uncomputed == 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

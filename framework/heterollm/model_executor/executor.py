@@ -1,0 +1,45 @@
+"""An in-process, single-worker Executor that backends can subclass (the CPU backend does)."""
+from __future__ import annotations
+
+from typing import ClassVar
+
+from heterollm.interfaces import Executor, RunnerOutput, SchedulerOutput
+from heterollm.model_executor.runner import LaunchContext, ModelRunner
+
+
+class InProcessExecutor(Executor):
+    """One ModelRunner in this process. Subclasses set `platforms` and may override `make_runner`."""
+
+    platforms: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def validate(cls, config) -> list[str]:
+        return []
+
+    def __init__(self, launch: LaunchContext) -> None:
+        self.launch = launch
+        self.runner: ModelRunner | None = None
+
+    def make_runner(self) -> ModelRunner:
+        return ModelRunner(self.launch)
+
+    def load_model(self) -> None:
+        self.runner = self.make_runner()
+        self.runner.load_model()
+
+    def determine_num_blocks(self) -> int:
+        return self.runner.determine_num_blocks()
+
+    def kv_bytes_per_block(self) -> int:
+        return self.runner.kv_bytes_per_block()
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.runner.initialize_cache(num_blocks)
+
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        return self.runner.execute(scheduler_output)
+
+    def shutdown(self) -> None:
+        if self.runner is not None:
+            self.runner.shutdown()
+            self.runner = None

@@ -1,0 +1,158 @@
+"""The layer API models are written against: tensor-parallel linear layers, embeddings, RMSNorm,
+rotary embedding, and attention through the selected AttentionBackend.
+
+Each parameter carries a `weight_loader(param, full_tensor)` that takes the checkpoint's full
+tensor and keeps this rank's shard."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from heterollm.model_executor import ops
+from heterollm.model_executor.parallel import ParallelContext
+
+
+def _copy(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+def _shard_loader(dim: int, pctx: ParallelContext):
+    def load(param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if pctx.tp_size > 1:
+            size = loaded.shape[dim] // pctx.tp_size
+            loaded = loaded.narrow(dim, pctx.tp_rank * size, size)
+        _copy(param, loaded)
+    return load
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split by output rows; the output stays sharded."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, pctx: ParallelContext) -> None:
+        super().__init__()
+        out = pctx.shard(out_features, "output features")
+        self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
+        self.weight.weight_loader = _shard_loader(0, pctx)
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out), requires_grad=False)
+            self.bias.weight_loader = _shard_loader(0, pctx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """W split by input columns; partial outputs are summed across ranks."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, pctx: ParallelContext) -> None:
+        super().__init__()
+        self.pctx = pctx
+        self.weight = nn.Parameter(torch.empty(out_features, pctx.shard(in_features, "input features")),
+                                   requires_grad=False)
+        self.weight.weight_loader = _shard_loader(1, pctx)
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = _copy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.pctx.all_reduce(nn.functional.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, dim: int, pctx: ParallelContext) -> None:
+        super().__init__()
+        self.pctx = pctx
+        self.vocab_size = vocab_size
+        self.part = -(-vocab_size // pctx.tp_size)
+        self.start = pctx.tp_rank * self.part
+        self.weight = nn.Parameter(torch.empty(self.part, dim), requires_grad=False)
+        self.weight.weight_loader = self._load
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        shard = loaded[self.start:self.start + self.part]
+        param.data.zero_()
+        param.data[: shard.shape[0]].copy_(shard)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.pctx.tp_size == 1:
+            return nn.functional.embedding(ids, self.weight)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.part)
+        out = nn.functional.embedding(local.clamp(0, self.part - 1), self.weight) * inside.unsqueeze(-1)
+        return self.pctx.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = nn.functional.linear(hidden, self.weight)
+        if self.pctx.tp_size > 1:
+            out = self.pctx.all_gather(out, -1)
+        return out[..., : self.vocab_size]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.weight.weight_loader = _copy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.get("rms_norm")(x, self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin table from transformers' own rope-parameter functions (default, linear, dynamic,
+    yarn, longrope, llama3), so scaling types match the reference exactly."""
+
+    def __init__(self, hf_config: Any, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        params = getattr(hf_config, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            scaling = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+            if rope_type not in ROPE_INIT_FUNCTIONS:
+                raise ValueError(f"rope type {rope_type!r} is not supported")
+            if rope_type == "dynamic":
+                raise ValueError("rope type 'dynamic' depends on the running sequence length; not supported yet")
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        t = torch.arange(max_positions, dtype=torch.float)
+        freqs = torch.outer(t, inv_freq.float())
+        self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
+        self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos[positions], self.sin[positions]
+        rope = ops.get("rotary_embedding")
+        return rope(q, cos, sin), rope(k, cos, sin)
+
+
+@dataclass
+class ForwardContext:
+    """Per-step state every attention layer reads: the backend, its metadata, the caches."""
+
+    backend: Any
+    metadata: Any
+    kv_caches: list[torch.Tensor]
+
+
+class Attention(nn.Module):
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.metadata, self.scale)

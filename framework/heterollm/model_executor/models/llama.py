@@ -1,0 +1,149 @@
+"""Llama-family decoder (Llama 2/3.x, SmolLM2, Mistral-style configs), with the switches Qwen2
+(q/k/v bias) and Qwen3 (per-head q/k RMSNorm) need. Written once against the layer API."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from heterollm.model_executor import ops
+from heterollm.model_executor.layers import (Attention, ColumnParallelLinear, ForwardContext, ParallelLMHead,
+                                             RMSNorm, RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
+from heterollm.model_executor.parallel import ParallelContext
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, cfg: Any, layer_idx: int, pctx: ParallelContext, qkv_bias: bool, o_bias: bool,
+                 qk_norm: bool, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        hidden = cfg.hidden_size
+        self.total_heads = cfg.num_attention_heads
+        self.total_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.total_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or hidden // self.total_heads
+        self.num_heads = pctx.shard(self.total_heads, "num_attention_heads")
+        self.num_kv_heads = pctx.shard(self.total_kv_heads, "num_key_value_heads")
+        self.q_proj = ColumnParallelLinear(hidden, self.total_heads * self.head_dim, qkv_bias, pctx)
+        self.k_proj = ColumnParallelLinear(hidden, self.total_kv_heads * self.head_dim, qkv_bias, pctx)
+        self.v_proj = ColumnParallelLinear(hidden, self.total_kv_heads * self.head_dim, qkv_bias, pctx)
+        self.o_proj = RowParallelLinear(self.total_heads * self.head_dim, hidden, o_bias, pctx)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.rotary = rotary
+        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v, ctx)
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Any, pctx: ParallelContext) -> None:
+        super().__init__()
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (silu only)")
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        self.gate_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, bias, pctx)
+        self.up_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, bias, pctx)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias, pctx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.get("silu_and_mul")(self.gate_proj(x), self.up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, idx: int, pctx: ParallelContext, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(cfg, idx, pctx, qkv_bias, o_bias, qk_norm, rotary)
+        self.mlp = MLP(cfg, pctx)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: Any, pctx: ParallelContext, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 max_positions: int) -> None:
+        super().__init__()
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        rotary = RotaryEmbedding(cfg, head_dim, max_positions)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, pctx)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, pctx, qkv_bias, o_bias, qk_norm, rotary)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = rotary
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, ctx)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    force_qkv_bias = False
+    """Qwen2: q/k/v always carry a bias, o_proj never; elsewhere `attention_bias` covers all four."""
+    qk_norm = False
+
+    def __init__(self, hf_config: Any, pctx: ParallelContext, max_positions: int) -> None:
+        super().__init__()
+        self.config = hf_config
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        qkv_bias = self.force_qkv_bias or attention_bias
+        o_bias = attention_bias and not self.force_qkv_bias
+        self.model = DecoderModel(hf_config, pctx, qkv_bias, o_bias, self.qk_norm, max_positions)
+        self.tie = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, pctx)
+        if self.tie:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def kv_geometry(self) -> tuple[int, int, int]:
+        """(num_layers, num_kv_heads on this rank, head_dim)."""
+        attn = self.model.layers[0].self_attn
+        return len(self.model.layers), attn.num_kv_heads, attn.head_dim
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load (HF name, full tensor) pairs; returns the parameter names that were filled."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie:
+                continue
+            param = params.get(name)
+            if param is None:
+                raise KeyError(name)
+            param.weight_loader(param, tensor.to(param.dtype))
+            loaded.add(name)
+        if self.tie:
+            loaded.add("lm_head.weight")
+        return loaded
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    force_qkv_bias = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

@@ -1,0 +1,60 @@
+"""The sanctioned override points: small ops that vendors commonly replace with a fused kernel.
+
+Layers call `ops.get(name)`; a backend family registers its own implementation with
+`@register("rms_norm", family="npu")`, and the model runner activates the selected family once
+(`activate(family)`). No monkey-patching of the core."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+_IMPLS: dict[str, dict[str, Callable]] = {}
+_ACTIVE: dict[str, Callable] = {}
+DEFAULT = "torch"
+
+
+def register(name: str, family: str = DEFAULT) -> Callable[[Callable], Callable]:
+    def deco(fn: Callable) -> Callable:
+        _IMPLS.setdefault(name, {})[family] = fn
+        if family == DEFAULT:
+            _ACTIVE.setdefault(name, fn)
+        return fn
+    return deco
+
+
+def activate(family: str) -> dict[str, str]:
+    """Use `family`'s implementation of each op where it has one; returns op -> family chosen."""
+    chosen = {}
+    for name, impls in _IMPLS.items():
+        fam = family if family in impls else DEFAULT
+        _ACTIVE[name] = impls[fam]
+        chosen[name] = fam
+    return chosen
+
+
+def get(name: str) -> Callable:
+    return _ACTIVE[name]
+
+
+@register("rms_norm")
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+@register("silu_and_mul")
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+@register("rotary_embedding")
+def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (tokens, heads, head_dim); cos/sin: (tokens, head_dim // 2). Neox (rotate-half) layout."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)

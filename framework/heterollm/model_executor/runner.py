@@ -1,0 +1,223 @@
+"""The device-agnostic model runner: builds the model, owns the KV cache tensors, turns a
+SchedulerOutput into model inputs, runs the forward through the selected GraphRunner and
+AttentionBackend, and samples. Backends' executors drive one of these per worker."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from heterollm.config import ConfigError, HeterollmConfig
+from heterollm.interfaces import AttentionInputs, RunnerOutput, SchedulerOutput, TokenLogprobs
+from heterollm.model_executor import ops
+from heterollm.model_executor.layers import ForwardContext
+from heterollm.model_executor.loader import ModelSource, iter_weights
+from heterollm.model_executor.parallel import ParallelContext
+from heterollm.model_executor.registry import get_model_class
+from heterollm.sampling.sampler import Sampler, SamplingRow, gather_logprobs
+
+logger = logging.getLogger("heterollm.runner")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(requested: str, hf_config: Any, platform: Any, is_gguf: bool) -> torch.dtype:
+    """--dtype auto: the checkpoint's dtype (bf16 for a dequantized GGUF), replaced by bf16 or
+    fp32 where the platform lacks native support for it."""
+    if requested != "auto":
+        return DTYPES[requested]
+    declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    name = str(declared).removeprefix("torch.") if declared is not None else "float32"
+    if is_gguf or name not in DTYPES:
+        name = "bfloat16"
+    if name == "float16" and not platform.supports_dtype("float16"):
+        name = "bfloat16"
+    if name == "bfloat16" and not platform.supports_dtype("bfloat16"):
+        name = "float32"
+    return DTYPES[name]
+
+
+@dataclass
+class LaunchContext:
+    """What an executor is constructed with."""
+
+    config: HeterollmConfig
+    selection: Any
+    source: ModelSource
+    max_model_len: int
+
+
+class ModelRunner:
+    def __init__(self, launch: LaunchContext, rank: int = 0, world_size: int = 1, communicator: Any = None) -> None:
+        self.launch = launch
+        self.config = launch.config
+        self.source = launch.source
+        sel = launch.selection
+        self.platform = sel.platform
+        self.device = torch.device(self.platform.device_type)
+        self.attn_backend = sel.component("attention")()
+        self.graph_runner = sel.component("graph_runners")()
+        self.pctx = ParallelContext(rank, world_size, communicator)
+        self.dtype = resolve_dtype(self.config.device.dtype, self.source.hf_config, self.platform,
+                                   self.source.gguf_file is not None)
+        self.block_size = self.config.kv_cache.block_size
+        self.sampler = Sampler()
+        self.kv_caches: list[torch.Tensor] = []
+        self.generators: dict[str, torch.Generator] = {}
+        self.model: Any = None
+        self.weight_bytes = 0
+        self.free_before_load = 0
+
+    # -- set-up ----------------------------------------------------------------------------
+    def load_model(self) -> None:
+        ops.activate(self.launch.selection.family)
+        self.free_before_load = self.platform.memory_info()[0]
+        cls = get_model_class(self.source.architectures, str(self.source.gguf_file or self.source.folder))
+        started = time.perf_counter()
+        with torch.device(self.device):
+            previous = torch.get_default_dtype()
+            torch.set_default_dtype(self.dtype)
+            try:
+                model = cls(self.source.hf_config, self.pctx, self.launch.max_model_len)
+            except ValueError as exc:
+                raise ConfigError(f"--model: {self.source.folder}: {exc}") from None
+            finally:
+                torch.set_default_dtype(previous)
+        expected = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        where = self.source.gguf_file or self.source.folder
+        try:
+            loaded = model.load_weights(iter_weights(self.source))
+        except KeyError as exc:
+            raise ConfigError(f"--model: {where} holds tensor {exc.args[0]!r}, which the "
+                              f"{type(model).__name__} architecture does not have") from None
+        except ValueError as exc:
+            raise ConfigError(f"--model: {where}: {exc}") from None
+        missing = sorted(expected - loaded)
+        if missing:
+            shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+            raise ConfigError(f"--model: {where} is missing weights: {shown} (truncated or incomplete checkpoint?)")
+        self.model = model.eval()
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+        logger.info("loaded %s (%s, %.1f MiB of weights, %s) in %.1fs", type(model).__name__, where,
+                    self.weight_bytes / 2**20, str(self.dtype).removeprefix("torch."), time.perf_counter() - started)
+
+    def kv_bytes_per_block(self) -> int:
+        layers, kv_heads, head_dim = self.model.kv_geometry
+        return layers * 2 * self.block_size * kv_heads * head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    def activation_peak_bytes(self, num_tokens: int) -> int:
+        """Peak activation for a step of `num_tokens`: hidden states, q/k/v, MLP intermediates and
+        the fp32 logits of the sampled rows (profiled shapes, not allocator statistics, so it
+        holds on every platform)."""
+        cfg = self.source.hf_config
+        elt = torch.empty((), dtype=self.dtype).element_size()
+        per_token = (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * elt
+        seqs = min(num_tokens, self.config.scheduler.max_seqs_per_batch)
+        return num_tokens * per_token + seqs * cfg.vocab_size * 4 * 3
+
+    def determine_num_blocks(self) -> int:
+        override = self.config.fastdeploy.num_gpu_blocks_override
+        per_block = self.kv_bytes_per_block()
+        if override:
+            return override
+        cap = self.config.kv_cache.max_cache_size
+        if cap > 0:
+            blocks = cap // per_block
+            if blocks < 1:
+                raise ConfigError(f"--max_cache_size={cap}: smaller than one KV block ({per_block} bytes)")
+            return blocks
+        util = self.config.kv_cache.max_memory_utilization
+        peak = self.activation_peak_bytes(self.config.scheduler.max_tokens_per_batch)
+        budget = int(util * self.free_before_load) - self.weight_bytes - peak
+        blocks = budget // per_block
+        if blocks < 1:
+            raise ConfigError(f"--max_memory_utilization={util}: no room for the KV cache "
+                              f"({self.free_before_load / 2**30:.1f} GiB available, weights "
+                              f"{self.weight_bytes / 2**30:.2f} GiB, activations {peak / 2**30:.2f} GiB)")
+        return int(blocks)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        layers, kv_heads, head_dim = self.model.kv_geometry
+        shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, kv_heads, head_dim)
+        # empty, not zeros: pages are committed as blocks are first written; backends never read
+        # a slot that has not been written for the sequence reading it
+        self.kv_caches = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
+        self.graph_runner.capture(self._forward, [])
+
+    # -- one step --------------------------------------------------------------------------
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
+
+    def _generator(self, r: Any) -> torch.Generator | None:
+        """A request with a seed samples from its own generator, kept across steps (and across a
+        preemption), so its output does not depend on what else is in the batch."""
+        seed = r.sampling.params.seed
+        if seed is None or r.sampling.params.greedy:
+            return None
+        gen = self.generators.get(r.request_id)
+        if gen is None:
+            gen = self.generators[r.request_id] = torch.Generator(device=self.device)
+            gen.manual_seed(seed + getattr(r.sampling, "seed_offset", 0))
+        return gen
+
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        for request_id in so.finished_request_ids:
+            self.generators.pop(request_id, None)
+        reqs = so.requests
+        if not reqs:
+            return RunnerOutput([], [], [], [])
+        ids: list[int] = []
+        positions: list[int] = []
+        for r in reqs:
+            ids += r.new_token_ids
+            positions += range(r.num_computed_tokens, r.num_computed_tokens + len(r.new_token_ids))
+        inputs = AttentionInputs(query_lens=[len(r.new_token_ids) for r in reqs],
+                                 context_lens=[r.num_computed_tokens for r in reqs],
+                                 block_tables=[r.block_ids for r in reqs], block_size=self.block_size)
+        meta = self.attn_backend.build_metadata(inputs, self.device)
+        ctx = ForwardContext(self.attn_backend, meta, self.kv_caches)
+        hidden = self.graph_runner.run(self._forward, input_ids=torch.tensor(ids, device=self.device),
+                                       positions=torch.tensor(positions, device=self.device), ctx=ctx)
+        ends = torch.tensor(inputs.query_lens).cumsum(0).tolist()
+
+        sample_idx = [i for i, r in enumerate(reqs) if r.sample]
+        sampled: dict[int, tuple[int, TokenLogprobs | None]] = {}
+        if sample_idx:
+            rows_h = hidden[torch.tensor([ends[i] - 1 for i in sample_idx], device=self.device)]
+            logits = self.model.compute_logits(rows_h)
+            rows = [SamplingRow(reqs[i].sampling.params, self._generator(reqs[i]), reqs[i].prompt_token_ids,
+                                reqs[i].output_token_ids) for i in sample_idx]
+            tokens, lps = self.sampler(logits, rows)
+            sampled = {i: (t, lp) for i, t, lp in zip(sample_idx, tokens, lps)}
+
+        prompt_lps: list[list[TokenLogprobs | None] | None] = [None] * len(reqs)
+        for i, r in enumerate(reqs):
+            if r.want_prompt_logprobs:
+                prompt_lps[i] = self._prompt_logprobs(r, hidden[ends[i] - len(r.new_token_ids):ends[i]])
+
+        return RunnerOutput(
+            request_ids=[r.request_id for r in reqs],
+            sampled_token_ids=[[sampled[i][0]] if i in sampled else [] for i in range(len(reqs))],
+            logprobs=[[sampled[i][1]] if i in sampled and sampled[i][1] is not None else None
+                      for i in range(len(reqs))],
+            prompt_logprobs=prompt_lps)
+
+    def _prompt_logprobs(self, r: Any, hidden: torch.Tensor) -> list[TokenLogprobs | None]:
+        """Logprobs of prompt tokens start+1 .. end (position j predicts token j + 1)."""
+        start = r.num_computed_tokens
+        prompt = r.prompt_token_ids
+        last = min(start + len(r.new_token_ids), len(prompt) - 1)
+        if last <= start:
+            return []
+        logprobs = self.model.compute_logits(hidden[: last - start]).float().log_softmax(-1)
+        targets = torch.tensor(prompt[start + 1:last + 1], device=logprobs.device)
+        k = r.sampling.params.prompt_logprobs or 0
+        return list(gather_logprobs(logprobs, targets, [k] * len(targets)))
+
+    def shutdown(self) -> None:
+        self.kv_caches = []
+        self.model = None

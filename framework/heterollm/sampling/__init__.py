@@ -1,0 +1,3 @@
+from heterollm.sampling.params import SamplingParams, SamplingParamsError
+
+__all__ = ["SamplingParams", "SamplingParamsError"]

@@ -1,0 +1,112 @@
+"""Turn a step's logits into tokens: penalties, temperature, top-k / top-p / min-p, seeded sampling,
+and logprobs (of the model's own distribution, before any of those transforms)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from heterollm.interfaces import TokenLogprobs
+from heterollm.sampling.params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One row of the logits to sample: the request's params, generator and history."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition (prompt + output, CTRL-style), presence and frequency (output only), in place."""
+    vocab = logits.shape[-1]
+    for i, row in enumerate(rows):
+        p = row.params
+        if not p.has_penalties:
+            continue
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long)
+            if seen.numel():
+                vals = logits[i, seen]
+                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and row.output_token_ids:
+            counts = torch.bincount(torch.tensor(row.output_token_ids, dtype=torch.long), minlength=vocab)[:vocab]
+            counts = counts.to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                            min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) tokens outside top-k (0 = off), outside the top-p nucleus, or below
+    min_p * p(max). Row-wise parameters; always keeps each row's best token."""
+    vocab = logits.shape[-1]
+    if bool((top_k > 0).any()):
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
+        kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if bool((top_p < 1).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        before = probs.cumsum(-1) - probs  # mass strictly above each token
+        drop_sorted = before >= top_p.unsqueeze(1)
+        drop_sorted[:, 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(-1)
+        floor = probs.max(-1, keepdim=True).values * min_p.unsqueeze(1)
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    return logits
+
+
+def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
+    """Chosen token's logprob and rank plus the top-n alternatives, for each row."""
+    out = []
+    k = max(num_top, default=0)
+    top = logprobs.topk(k, dim=-1) if k else None
+    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    ranks = (logprobs > chosen_lp.unsqueeze(1)).sum(-1) + 1
+    for i in range(logprobs.shape[0]):
+        alts = []
+        if top is not None and num_top[i]:
+            alts = list(zip(top.indices[i, : num_top[i]].tolist(), top.values[i, : num_top[i]].tolist()))
+        out.append(TokenLogprobs(int(chosen[i]), float(chosen_lp[i]), int(ranks[i]), alts))
+    return out
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        logits = logits.float()
+        want_lp = [r.params.logprobs is not None for r in rows]
+        raw_logprobs = logits.log_softmax(-1) if any(want_lp) else None
+        if any(r.params.has_penalties for r in rows):
+            logits = apply_penalties(logits.clone(), rows)
+        greedy = torch.tensor([r.params.greedy for r in rows])
+        chosen = logits.argmax(-1)
+        if not bool(greedy.all()):
+            idx = (~greedy).nonzero().squeeze(1)
+            sub = logits[idx]
+            params = [rows[i].params for i in idx.tolist()]
+            temps = torch.tensor([p.temperature for p in params], dtype=sub.dtype).unsqueeze(1)
+            sub = apply_top_k_top_p_min_p(
+                sub / temps,
+                torch.tensor([p.top_k for p in params], dtype=torch.long),
+                torch.tensor([p.top_p for p in params], dtype=sub.dtype),
+                torch.tensor([p.min_p for p in params], dtype=sub.dtype))
+            probs = sub.softmax(-1)
+            # exponential race: argmax(p / E), E ~ Exp(1), samples from p; per-request generators
+            noise = torch.empty_like(probs)
+            for j, i in enumerate(idx.tolist()):
+                noise[j].exponential_(generator=rows[i].generator)
+            chosen[idx] = (probs / noise).argmax(-1)
+        lps: list[TokenLogprobs | None] = [None] * len(rows)
+        if raw_logprobs is not None:
+            sel = [i for i, w in enumerate(want_lp) if w]
+            got = gather_logprobs(raw_logprobs[sel], chosen[sel], [rows[i].params.logprobs or 0 for i in sel])
+            for i, g in zip(sel, got):
+                lps[i] = g
+        return chosen.tolist(), lps

@@ -1,0 +1,3 @@
+from heterollm.scheduler.scheduler import Scheduler
+
+__all__ = ["Scheduler"]

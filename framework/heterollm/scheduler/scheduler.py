@@ -1,0 +1,184 @@
+"""Continuous batching: each step fills a token budget with running decodes first, then prefill
+(chunks of) waiting requests; preempts by recompute when the KV cache runs out of blocks.
+
+Every request carries `num_computed_tokens`; a step schedules `num_tokens - num_computed_tokens`
+(or a chunk of it) and the request samples once it has caught up. A prefill chunk, a decode and
+a resumed (preempted) request differ only in that count.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from heterollm.config.scheduling import SchedulerConfig
+from heterollm.engine.request import Request, RequestRejected, RequestStatus
+from heterollm.interfaces import RunnerOutput, ScheduledRequest, SchedulerOutput
+from heterollm.kv_cache import KVCacheManager
+
+logger = logging.getLogger("heterollm.scheduler")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_since_last: list[str] = []
+        self._scheduled: dict[str, int] = {}
+        chunk = config.max_tokens_per_chunk_for_prefill
+        self.chunk_size = min(chunk, config.max_tokens_per_batch) if chunk > 0 else config.max_tokens_per_batch
+        self.num_preemptions = 0
+
+    # -- admission -------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise RequestRejected("prompt", "the prompt is empty")
+        if n >= self.max_model_len:
+            raise RequestRejected("prompt", f"the prompt has {n} tokens, but the model's context length "
+                                            f"(max_model_len) is {self.max_model_len}; shorten it")
+        if not self.config.enable_chunked_prefill and n > self.config.max_tokens_per_batch:
+            raise RequestRejected("prompt", f"the prompt has {n} tokens, more than max_tokens_per_batch="
+                                            f"{self.config.max_tokens_per_batch} with chunked prefill disabled")
+        if len(self.waiting) >= self.config.request_queue_size:
+            raise RequestRejected("request", f"the request queue is full (request_queue_size="
+                                             f"{self.config.request_queue_size}); retry later", status=503)
+        if request.request_id in self.requests:
+            raise RequestRejected("request_id", f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request_id: str, reason: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = request.finish_reason or reason
+        self.kv.free(request_id)
+        self._finished_since_last.append(request_id)
+
+    # -- one step --------------------------------------------------------------------------
+    def _preempt(self, victim: Request) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim.request_id)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        logger.debug("preempted %s (recompute)", victim.request_id)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_tokens_per_batch
+        seq_budget = self.config.max_seqs_per_batch
+        chunked = self.config.enable_chunked_prefill
+        scheduled: dict[str, int] = {}
+
+        def try_waiting() -> None:
+            nonlocal budget, seq_budget
+            while self.waiting and budget > 0 and seq_budget > 0:
+                request = self.waiting[0]
+                remaining = request.num_uncomputed
+                num_new = min(remaining, budget, self.chunk_size) if chunked else remaining
+                if num_new < remaining and not chunked or num_new > budget:
+                    break
+                if self.kv.allocate(request.request_id, request.num_computed_tokens + num_new) is None:
+                    break
+                self.waiting.popleft()
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                scheduled[request.request_id] = num_new
+                budget -= num_new
+                seq_budget -= 1
+
+        prefill_only = not self.config.enable_mix_batch and bool(self.waiting) and self._waiting_fits()
+        if prefill_only:
+            try_waiting()
+            if scheduled:
+                return self._build(scheduled)
+
+        # running: decodes first, then requests still prefilling in chunks
+        order = sorted(self.running, key=lambda r: not r.is_decoding)
+        for request in order:
+            if request.request_id in scheduled or request.status is not RequestStatus.RUNNING:
+                continue
+            if budget <= 0 or seq_budget <= 0:
+                break
+            if not self.config.enable_mix_batch and scheduled and request.is_decoding != self._decoding(scheduled):
+                continue
+            remaining = request.num_uncomputed
+            num_new = min(remaining, budget, self.chunk_size if not request.is_decoding else remaining)
+            if not chunked and num_new < remaining:
+                continue
+            while self.kv.allocate(request.request_id, request.num_computed_tokens + num_new) is None:
+                victims = [r for r in reversed(self.running) if r.request_id not in scheduled and r is not request]
+                self._preempt(victims[0] if victims else request)
+                if not victims:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            scheduled[request.request_id] = num_new
+            budget -= num_new
+            seq_budget -= 1
+
+        if self.config.enable_mix_batch or not scheduled:
+            try_waiting()
+        return self._build(scheduled)
+
+    def _decoding(self, scheduled: dict[str, int]) -> bool:
+        first = next(iter(scheduled))
+        return self.requests[first].is_decoding
+
+    def _waiting_fits(self) -> bool:
+        request = self.waiting[0]
+        num = request.num_uncomputed
+        if self.config.enable_chunked_prefill:
+            num = min(num, self.chunk_size, self.config.max_tokens_per_batch)
+        return self.kv.can_allocate(request.request_id, request.num_computed_tokens + num)
+
+    def _build(self, scheduled: dict[str, int]) -> SchedulerOutput:
+        self._scheduled = scheduled
+        items = []
+        for request_id, num_new in scheduled.items():
+            r = self.requests[request_id]
+            start = r.num_computed_tokens
+            tokens = r.all_token_ids[start:start + num_new]
+            sample = start + num_new == r.num_tokens
+            items.append(ScheduledRequest(
+                request_id=request_id, new_token_ids=tokens, num_computed_tokens=start,
+                block_ids=list(self.kv.tables[request_id]), sample=sample, sampling=r,
+                output_token_ids=r.output_token_ids, prompt_token_ids=r.prompt_token_ids,
+                want_prompt_logprobs=r.params.prompt_logprobs is not None and start < r.num_prompt_tokens
+                and r.num_preemptions == 0))
+        finished, self._finished_since_last = self._finished_since_last, []
+        return SchedulerOutput(items, finished)
+
+    def update(self, output: SchedulerOutput, result: RunnerOutput) -> list[tuple[Request, list[int]]]:
+        """Advance computed counts and append sampled tokens; returns (request, new tokens) pairs."""
+        sampled = dict(zip(result.request_ids, zip(result.sampled_token_ids, result.logprobs,
+                                                    result.prompt_logprobs)))
+        changed = []
+        for item in output.requests:
+            r = self.requests.get(item.request_id)
+            if r is None:
+                continue
+            r.num_computed_tokens += len(item.new_token_ids)
+            tokens, lps, plps = sampled.get(item.request_id, ([], None, None))
+            if plps is not None:
+                r.prompt_logprobs = (r.prompt_logprobs or [None]) + plps
+            if tokens:
+                r.output_token_ids.extend(tokens)
+                if lps:
+                    r.logprobs.extend(lps)
+                changed.append((r, tokens))
+        return changed

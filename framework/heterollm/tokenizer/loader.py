@@ -1,0 +1,60 @@
+"""Load the tokenizer of a model source through transformers and wrap the bits the engine uses."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from heterollm.config import ConfigError
+
+
+@dataclass
+class Tokenizer:
+    hf: Any
+    eos_token_ids: set[int]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: list[int], skip_special_tokens: bool = False) -> list[str]:
+        return self.hf.convert_ids_to_tokens(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            chat_template: str | None = None, **kwargs: Any) -> list[int]:
+        template = chat_template or self.hf.chat_template
+        if not template:
+            raise ValueError("messages: this model has no chat template; pass --chat_template or use a plain prompt")
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           chat_template=template, **kwargs)
+        # the template already holds the special tokens (BOS included where the model wants it)
+        return self.encode(text, add_special_tokens=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+
+def load_tokenizer(source: Path, gguf_file: Path | None, tokenizer_override: str | None,
+                   eos_from_config: set[int], chat_template: str | None = None) -> Tokenizer:
+    from transformers import AutoTokenizer
+
+    try:
+        if tokenizer_override:
+            hf = AutoTokenizer.from_pretrained(tokenizer_override)
+        elif gguf_file is not None:
+            hf = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+        else:
+            hf = AutoTokenizer.from_pretrained(str(source))
+    except (OSError, ValueError) as exc:
+        where = tokenizer_override or gguf_file or source
+        raise ConfigError(f"--model: cannot load a tokenizer from {where}: {exc}") from None
+    if chat_template:
+        path = Path(chat_template)
+        hf.chat_template = path.read_text(encoding="utf-8") if path.is_file() else chat_template
+    eos = set(eos_from_config)
+    if hf.eos_token_id is not None:
+        eos.add(int(hf.eos_token_id))
+    return Tokenizer(hf, eos)
