@@ -15,6 +15,7 @@ from heterollm.config import ConfigError, LoadedConfig, dump_config, load_config
 from heterollm.config.base import FlagGroup
 from heterollm.config.loader import FlagTable
 from heterollm.config.support import check_support
+from heterollm.entrypoints.generate import GenerateFlags
 
 EXIT_USAGE = 2
 
@@ -52,20 +53,20 @@ def _cmd_backends(_: LoadedConfig | None) -> int:
 def _cmd_serve(loaded: LoadedConfig) -> int:
     from heterollm.entrypoints.launch import launch_selection
     launch_selection(loaded.config)
-    return _fail("the engine is not built yet (the engine issue lands `serve`); "
-                 "`heterollm config --model ...` shows the effective config")
+    return _fail("the HTTP server is not built yet (the OpenAI server issue lands `serve`); "
+                 "use `heterollm generate` or the offline `LLM` API")
 
 
 def _cmd_generate(loaded: LoadedConfig) -> int:
-    from heterollm.entrypoints.launch import launch_selection
-    launch_selection(loaded.config)
-    return _fail("the engine is not built yet (the engine issue lands `generate`); "
-                 "`heterollm config --model ...` shows the effective config")
+    from heterollm.entrypoints.generate import run_generate
+    _configure_logging()
+    return run_generate(loaded)
 
 
 COMMANDS: dict[str, Command] = {
     "serve": Command("run the OpenAI-compatible HTTP server", _cmd_serve),
-    "generate": Command("generate text for a prompt, offline", _cmd_generate),
+    "generate": Command("generate text for a prompt, offline, streaming to the terminal", _cmd_generate,
+                        extra_groups={"generate": GenerateFlags}),
     "backends": Command("list discovered platforms and components, with origin and usability", _cmd_backends,
                         needs_model=False, takes_flags=False),
     "config": Command("print the effective config as JSON, with each value's source", _cmd_config),

@@ -29,7 +29,7 @@ def resolve_dtype(requested: str, hf_config: Any, platform: Any, is_gguf: bool) 
     fp32 where the platform lacks native support for it."""
     if requested != "auto":
         return DTYPES[requested]
-    declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    declared = getattr(hf_config, "dtype", None)
     name = str(declared).removeprefix("torch.") if declared is not None else "float32"
     if is_gguf or name not in DTYPES:
         name = "bfloat16"
