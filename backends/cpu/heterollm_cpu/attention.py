@@ -2,10 +2,13 @@
 
 Cache layout per layer: (2, num_blocks, block_size, num_kv_heads, head_dim), K then V. A step's
 new K/V are scattered into their slots first; then decodes (one query token each) are attended
-together in one padded SDPA call, and each prefill chunk attends over its cached context plus
-its own tokens with a causal offset mask.
+together in one padded SDPA call over exactly the slots each one owns, and each prefill chunk
+attends over its cached context plus its own tokens with a causal offset mask. The gather plans
+are built once per step in `build_metadata` and shared by every layer.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -13,13 +16,29 @@ import torch.nn.functional as F
 from heterollm.interfaces import AttentionBackend, AttentionInputs, AttentionMetadata
 
 
-def slot_mapping_for(inputs: AttentionInputs) -> list[int]:
-    bs = inputs.block_size
-    slots: list[int] = []
-    for ctx, q, table in zip(inputs.context_lens, inputs.query_lens, inputs.block_tables):
-        for pos in range(ctx, ctx + q):
-            slots.append(table[pos // bs] * bs + pos % bs)
-    return slots
+def slot_mapping(tables: torch.Tensor, context_lens: torch.Tensor, query_lens: torch.Tensor,
+                 block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, slots) of every new token, vectorized: token t of sequence i sits at position
+    context_lens[i] + t, in slot tables[i, pos // block_size] * block_size + pos % block_size."""
+    seq = torch.repeat_interleave(torch.arange(len(query_lens)), query_lens)
+    starts = torch.cumsum(query_lens, 0) - query_lens
+    pos = torch.arange(int(query_lens.sum())) - starts[seq] + context_lens[seq]
+    return pos, tables[seq, pos // block_size] * block_size + pos % block_size
+
+
+@dataclass
+class CpuAttentionMetadata(AttentionMetadata):
+    """Adds the per-step gather plans every layer reuses: which cache slots each decode and each
+    prefill-with-context reads, so no layer gathers padding or unwritten slots."""
+
+    decode_rows: torch.Tensor | None = None
+    """(B,) indices of the decode sequences; their query rows are query_start_loc[decode_rows]."""
+    decode_slots: torch.Tensor | None = None
+    """(B, L) cache slot of each key position; positions past a sequence's length repeat slot 0 of it."""
+    decode_bias: torch.Tensor | None = None
+    """(B, 1, 1, L) 0 for real keys, -inf for padding."""
+    prefills: list[tuple[int, int, int, torch.Tensor | None]] = field(default_factory=list)
+    """(start, end, context_len, slots of positions 0..seq_len or None when context_len == 0)."""
 
 
 class CpuPagedAttention(AttentionBackend):
@@ -32,79 +51,73 @@ class CpuPagedAttention(AttentionBackend):
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
-    def build_metadata(self, inputs: AttentionInputs, device: torch.device) -> AttentionMetadata:
-        n = len(inputs.query_lens)
-        starts = [0]
-        for q in inputs.query_lens:
-            starts.append(starts[-1] + q)
-        max_blocks = max((len(t) for t in inputs.block_tables), default=0)
-        tables = torch.zeros((n, max(max_blocks, 1)), dtype=torch.long)
-        for i, table in enumerate(inputs.block_tables):
-            if table:
-                tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
-        seq_lens = [c + q for c, q in zip(inputs.context_lens, inputs.query_lens)]
-        return AttentionMetadata(
-            num_tokens=starts[-1],
-            slot_mapping=torch.tensor(slot_mapping_for(inputs), dtype=torch.long, device=device),
-            query_start_loc=torch.tensor(starts, dtype=torch.long, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=device),
-            block_tables=tables.to(device),
-            query_lens=list(inputs.query_lens),
-            context_lens=list(inputs.context_lens),
-        )
+    def build_metadata(self, inputs: AttentionInputs, device: torch.device) -> CpuAttentionMetadata:
+        bs = inputs.block_size
+        q_lens = torch.tensor(inputs.query_lens, dtype=torch.long)
+        ctx_lens = torch.tensor(inputs.context_lens, dtype=torch.long)
+        width = max(max((len(t) for t in inputs.block_tables), default=1), 1)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in inputs.block_tables], dtype=torch.long)
+        _, slots = slot_mapping(tables, ctx_lens, q_lens, bs)
+        seq_lens = ctx_lens + q_lens
+        starts = torch.cumsum(q_lens, 0) - q_lens
+
+        is_decode = (q_lens == 1) & (ctx_lens > 0)
+        meta = CpuAttentionMetadata(
+            num_tokens=int(q_lens.sum()), slot_mapping=slots.to(device),
+            query_start_loc=torch.cat([starts, q_lens.sum().view(1)]).to(device),
+            seq_lens=seq_lens.to(device), block_tables=tables.to(device),
+            query_lens=list(inputs.query_lens), context_lens=list(inputs.context_lens))
+        if bool(is_decode.any()):
+            rows = is_decode.nonzero().squeeze(1)
+            lens = seq_lens[rows]
+            pos = torch.arange(int(lens.max())).unsqueeze(0)
+            valid = pos < lens.unsqueeze(1)
+            pos = torch.where(valid, pos, 0)
+            dslots = tables[rows].gather(1, pos // bs) * bs + pos % bs
+            bias = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))[:, None, None, :]
+            meta.decode_rows = starts[rows].to(device)
+            meta.decode_slots = dslots.to(device)
+            meta.decode_bias = bias.to(device)
+        for i in (~is_decode & (q_lens > 0)).nonzero().squeeze(1).tolist():
+            s, ctx, total = int(starts[i]), int(ctx_lens[i]), int(seq_lens[i])
+            pslots = None
+            if ctx > 0:
+                pos = torch.arange(total)
+                pslots = (tables[i, pos // bs] * bs + pos % bs).to(device)
+            meta.prefills.append((s, s + int(q_lens[i]), ctx, pslots))
+        return meta
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-        flat_k = k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-        flat_v = v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+                metadata: CpuAttentionMetadata, scale: float) -> torch.Tensor:
+        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        flat_k = kv_cache[0].view(num_blocks * block_size, num_kv_heads, head_dim)
+        flat_v = kv_cache[1].view(num_blocks * block_size, num_kv_heads, head_dim)
         flat_k.index_copy_(0, metadata.slot_mapping, key.to(flat_k.dtype))
         flat_v.index_copy_(0, metadata.slot_mapping, value.to(flat_v.dtype))
 
         out = torch.empty_like(query)
-        starts = metadata.query_start_loc.tolist()
-        seq_lens = metadata.seq_lens.tolist()
-        decodes = [i for i, q in enumerate(metadata.query_lens) if q == 1 and metadata.context_lens[i] > 0]
-        prefills = [i for i in range(len(metadata.query_lens)) if i not in set(decodes) and metadata.query_lens[i]]
-        if decodes:
-            idx = torch.tensor(decodes, dtype=torch.long)
-            lens = metadata.seq_lens[idx]
-            max_len = int(lens.max())
-            nb = -(-max_len // block_size)
-            blocks = metadata.block_tables[idx, :nb]  # (B, nb)
-            k = k_cache[blocks].reshape(len(decodes), nb * block_size, num_kv_heads, head_dim)[:, :max_len]
-            v = v_cache[blocks].reshape(len(decodes), nb * block_size, num_kv_heads, head_dim)[:, :max_len]
-            mask = torch.arange(max_len).unsqueeze(0) < lens.unsqueeze(1)  # (B, L)
-            # slots past a sequence's length may never have been written (the cache is allocated
-            # empty): zero them so that garbage (even NaN) cannot leak through 0-weight products
-            pad = ~mask[:, :, None, None]
-            k, v = k.masked_fill(pad, 0), v.masked_fill(pad, 0)
-            q_rows = torch.tensor([starts[i] for i in decodes], dtype=torch.long)
-            q = query[q_rows].unsqueeze(2)  # (B, H, 1, D)
-            o = F.scaled_dot_product_attention(
-                q, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-                attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
-            out[q_rows] = o.squeeze(2)
-        for i in prefills:
-            s, e = starts[i], starts[i + 1]
-            ctx = metadata.context_lens[i]
+        if metadata.decode_rows is not None:
+            q = query[metadata.decode_rows].unsqueeze(2)  # (B, H, 1, D)
+            k = flat_k[metadata.decode_slots].transpose(1, 2)  # (B, KV, L, D)
+            v = flat_v[metadata.decode_slots].transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype),
+                                               attn_mask=metadata.decode_bias.to(q.dtype), scale=scale,
+                                               enable_gqa=True)
+            out[metadata.decode_rows] = o.squeeze(2)
+        for s, e, ctx, pslots in metadata.prefills:
             q = query[s:e].transpose(0, 1).unsqueeze(0)  # (1, H, q, D)
-            if ctx == 0:
-                k, v = key[s:e], value[s:e]
+            if pslots is None:
                 o = F.scaled_dot_product_attention(
-                    q, k.transpose(0, 1).unsqueeze(0).to(q.dtype), v.transpose(0, 1).unsqueeze(0).to(q.dtype),
-                    is_causal=True, scale=scale, enable_gqa=True)
+                    q, key[s:e].transpose(0, 1).unsqueeze(0).to(q.dtype),
+                    value[s:e].transpose(0, 1).unsqueeze(0).to(q.dtype), is_causal=True, scale=scale,
+                    enable_gqa=True)
             else:
-                total = seq_lens[i]
-                nb = -(-total // block_size)
-                blocks = metadata.block_tables[i, :nb]
-                k = k_cache[blocks].reshape(nb * block_size, num_kv_heads, head_dim)[:total]
-                v = v_cache[blocks].reshape(nb * block_size, num_kv_heads, head_dim)[:total]
-                q_pos = torch.arange(ctx, total).unsqueeze(1)
-                mask = torch.arange(total).unsqueeze(0) <= q_pos  # (q, total)
-                o = F.scaled_dot_product_attention(
-                    q, k.transpose(0, 1).unsqueeze(0).to(q.dtype), v.transpose(0, 1).unsqueeze(0).to(q.dtype),
-                    attn_mask=mask, scale=scale, enable_gqa=True)
+                total = pslots.shape[0]
+                k = flat_k[pslots].transpose(0, 1).unsqueeze(0)
+                v = flat_v[pslots].transpose(0, 1).unsqueeze(0)
+                mask = torch.arange(total, device=q.device).unsqueeze(0) <= \
+                    torch.arange(ctx, total, device=q.device).unsqueeze(1)
+                o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
+                                                   enable_gqa=True)
             out[s:e] = o.squeeze(0).transpose(0, 1)
         return out

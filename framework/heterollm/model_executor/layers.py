@@ -15,7 +15,7 @@ from heterollm.model_executor import ops
 from heterollm.model_executor.parallel import ParallelContext
 
 
-def _copy(param: nn.Parameter, loaded: torch.Tensor) -> None:
+def _copy(param: torch.Tensor, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded.shape)}")
     param.data.copy_(loaded)
@@ -45,6 +45,38 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(nn.Module):
+    """Several column-parallel projections of the same input in one GEMM (q/k/v, gate/up).
+
+    The checkpoint keeps them apart; `weight_loader(param, tensor, shard)` writes part `shard`
+    (its tensor-parallel slice) at its offset. `param.num_shards` lets the loader check that
+    every part arrived."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, pctx: ParallelContext) -> None:
+        super().__init__()
+        self.pctx = pctx
+        self.sizes = [pctx.shard(o, "output features") for o in out_sizes]
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        total = sum(self.sizes)
+        self.weight = nn.Parameter(torch.empty(total, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(total), requires_grad=False) if bias else None
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.weight_loader = self._load
+                param.num_shards = len(self.sizes)
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard: int) -> None:
+        size = self.sizes[shard]
+        if loaded.shape[0] != size * self.pctx.tp_size:
+            raise ValueError(f"shape mismatch: part {shard} has {size * self.pctx.tp_size} rows, "
+                             f"checkpoint {loaded.shape[0]}")
+        part = loaded.narrow(0, self.pctx.tp_rank * size, size)
+        _copy(param.data.narrow(0, self.offsets[shard], size), part)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return nn.functional.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
 
 class RowParallelLinear(nn.Module):

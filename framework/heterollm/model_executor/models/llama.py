@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from heterollm.model_executor import ops
-from heterollm.model_executor.layers import (Attention, ColumnParallelLinear, ForwardContext, ParallelLMHead,
+from heterollm.model_executor.layers import (Attention, ForwardContext, MergedColumnParallelLinear, ParallelLMHead,
                                              RMSNorm, RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
 from heterollm.model_executor.parallel import ParallelContext
 
@@ -24,9 +24,9 @@ class DecoderAttention(nn.Module):
         self.head_dim = getattr(cfg, "head_dim", None) or hidden // self.total_heads
         self.num_heads = pctx.shard(self.total_heads, "num_attention_heads")
         self.num_kv_heads = pctx.shard(self.total_kv_heads, "num_key_value_heads")
-        self.q_proj = ColumnParallelLinear(hidden, self.total_heads * self.head_dim, qkv_bias, pctx)
-        self.k_proj = ColumnParallelLinear(hidden, self.total_kv_heads * self.head_dim, qkv_bias, pctx)
-        self.v_proj = ColumnParallelLinear(hidden, self.total_kv_heads * self.head_dim, qkv_bias, pctx)
+        kv_out = self.total_kv_heads * self.head_dim
+        self.qkv_proj = MergedColumnParallelLinear(hidden, [self.total_heads * self.head_dim, kv_out, kv_out],
+                                                   qkv_bias, pctx)
         self.o_proj = RowParallelLinear(self.total_heads * self.head_dim, hidden, o_bias, pctx)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
@@ -35,9 +35,10 @@ class DecoderAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
@@ -52,12 +53,11 @@ class MLP(nn.Module):
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported (silu only)")
         bias = bool(getattr(cfg, "mlp_bias", False))
-        self.gate_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, bias, pctx)
-        self.up_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, bias, pctx)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias, pctx)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias, pctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.get("silu_and_mul")(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(ops.get("silu_and_mul")(*self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -122,20 +122,34 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)
 
+    # checkpoint projection -> (merged parameter, part)
+    stacked = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load (HF name, full tensor) pairs; returns the parameter names that were filled."""
+        """Load (HF name, full tensor) pairs; returns the parameter names completely filled."""
         params = dict(self.named_parameters(remove_duplicate=False))
-        loaded: set[str] = set()
+        parts: dict[str, set[int]] = {}
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.tie):
                 continue
-            if name == "lm_head.weight" and self.tie:
+            prefix, _, kind = name.rpartition(".")
+            module_path, _, proj = prefix.rpartition(".")
+            if proj in self.stacked:
+                merged, shard = self.stacked[proj]
+                target = f"{module_path}.{merged}.{kind}"
+                param = params.get(target)
+                if param is None:
+                    raise KeyError(name)
+                param.weight_loader(param, tensor.to(param.dtype), shard)
+                parts.setdefault(target, set()).add(shard)
                 continue
             param = params.get(name)
             if param is None:
                 raise KeyError(name)
             param.weight_loader(param, tensor.to(param.dtype))
-            loaded.add(name)
+            parts[name] = {0}
+        loaded = {n for n, got in parts.items() if len(got) == getattr(params[n], "num_shards", 1)}
         if self.tie:
             loaded.add("lm_head.weight")
         return loaded
