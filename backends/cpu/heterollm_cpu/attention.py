@@ -37,8 +37,9 @@ class CpuAttentionMetadata(AttentionMetadata):
     """(B, L) cache slot of each key position; positions past a sequence's length repeat slot 0 of it."""
     decode_bias: torch.Tensor | None = None
     """(B, 1, 1, L) 0 for real keys, -inf for padding."""
-    prefills: list[tuple[int, int, int, torch.Tensor | None]] = field(default_factory=list)
-    """(start, end, context_len, slots of positions 0..seq_len or None when context_len == 0)."""
+    prefills: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]] = field(default_factory=list)
+    """(start, end, slots of positions 0..seq_len, causal mask (q, seq_len)); both None when the
+    chunk has no cached context and attends to its own K/V."""
 
 
 class CpuPagedAttention(AttentionBackend):
@@ -80,11 +81,12 @@ class CpuPagedAttention(AttentionBackend):
             meta.decode_bias = bias.to(device)
         for i in (~is_decode & (q_lens > 0)).nonzero().squeeze(1).tolist():
             s, ctx, total = int(starts[i]), int(ctx_lens[i]), int(seq_lens[i])
-            pslots = None
+            pslots = mask = None
             if ctx > 0:
                 pos = torch.arange(total)
                 pslots = (tables[i, pos // bs] * bs + pos % bs).to(device)
-            meta.prefills.append((s, s + int(q_lens[i]), ctx, pslots))
+                mask = (pos.unsqueeze(0) <= torch.arange(ctx, total).unsqueeze(1)).to(device)
+            meta.prefills.append((s, s + int(q_lens[i]), pslots, mask))
         return meta
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -97,14 +99,16 @@ class CpuPagedAttention(AttentionBackend):
 
         out = torch.empty_like(query)
         if metadata.decode_rows is not None:
+            if metadata.decode_bias.dtype != query.dtype:  # once per step, not per layer
+                metadata.decode_bias = metadata.decode_bias.to(query.dtype)
             q = query[metadata.decode_rows].unsqueeze(2)  # (B, H, 1, D)
             k = flat_k[metadata.decode_slots].transpose(1, 2)  # (B, KV, L, D)
             v = flat_v[metadata.decode_slots].transpose(1, 2)
             o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype),
-                                               attn_mask=metadata.decode_bias.to(q.dtype), scale=scale,
+                                               attn_mask=metadata.decode_bias, scale=scale,
                                                enable_gqa=True)
             out[metadata.decode_rows] = o.squeeze(2)
-        for s, e, ctx, pslots in metadata.prefills:
+        for s, e, pslots, mask in metadata.prefills:
             q = query[s:e].transpose(0, 1).unsqueeze(0)  # (1, H, q, D)
             if pslots is None:
                 o = F.scaled_dot_product_attention(
@@ -112,11 +116,8 @@ class CpuPagedAttention(AttentionBackend):
                     value[s:e].transpose(0, 1).unsqueeze(0).to(q.dtype), is_causal=True, scale=scale,
                     enable_gqa=True)
             else:
-                total = pslots.shape[0]
                 k = flat_k[pslots].transpose(0, 1).unsqueeze(0)
                 v = flat_v[pslots].transpose(0, 1).unsqueeze(0)
-                mask = torch.arange(total, device=q.device).unsqueeze(0) <= \
-                    torch.arange(ctx, total, device=q.device).unsqueeze(1)
                 o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
                                                    enable_gqa=True)
             out[s:e] = o.squeeze(0).transpose(0, 1)

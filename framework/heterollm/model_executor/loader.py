@@ -122,7 +122,8 @@ def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
                 state = torch.load(path, map_location="cpu", weights_only=True)
             except Exception as exc:
                 raise ConfigError(f"--model: cannot read weights {path}: {exc}") from None
-            yield from _progress_items(state.items(), path.name)
+            for name in _progress(list(state), f"loading {path.name}"):
+                yield name, state[name]
         return
     from safetensors import SafetensorError, safe_open
 
@@ -133,10 +134,6 @@ def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
                     yield name, fh.get_tensor(name)
         except (SafetensorError, OSError, RuntimeError) as exc:
             raise ConfigError(f"--model: weight file {path} is corrupt or truncated: {exc}") from None
-
-
-def _progress_items(items, desc):
-    yield from _progress(list(items), f"loading {desc}")
 
 
 _GGUF_LAYER = {

@@ -90,7 +90,7 @@ class Scheduler:
                 request = self.waiting[0]
                 remaining = request.num_uncomputed
                 num_new = min(remaining, budget, self.chunk_size) if chunked else remaining
-                if num_new < remaining and not chunked or num_new > budget:
+                if num_new > budget:  # only without chunking: the whole prompt must fit this step
                     break
                 if self.kv.allocate(request.request_id, request.num_computed_tokens + num_new) is None:
                     break
