@@ -1,7 +1,10 @@
 """Offline throughput: heterollm vs transformers' `generate`, same weights, same run.
 
     python bench/throughput.py                       # SmolLM2-135M, 64 x (128 in, 128 out), greedy
-    python bench/throughput.py --num-requests 16 --dtype bfloat16
+    python bench/throughput.py --num-requests 16 --dtype float32
+
+--dtype auto (the default) is what `heterollm generate/serve` picks: bf16 on a CPU that supports
+it, else float32. transformers runs in the same resolved dtype.
 
 Both engines get identical random prompts (fixed seed) and generate exactly --output-len tokens
 (EOS ignored). transformers runs the whole batch in one `generate` call (all prompts have the
@@ -23,7 +26,7 @@ def main() -> int:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--hf-batch-size", type=int, default=0, help="0: all requests in one generate call")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--json", help="also write the results to this file")
@@ -41,7 +44,8 @@ def main() -> int:
     outs = llm.generate(prompts, params)
     ours_s = time.perf_counter() - t
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    result = {"model": args.model, "dtype": args.dtype, "requests": args.num_requests,
+    dtype = llm.engine.dtype
+    result = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "requests": args.num_requests,
               "prompt_len": args.prompt_len, "output_len": args.output_len, "threads": torch.get_num_threads(),
               "heterollm_s": round(ours_s, 2), "heterollm_out_tok_s": round(generated / ours_s, 1)}
     print(f"heterollm     {generated} tokens in {ours_s:7.2f}s = {generated / ours_s:8.1f} output tok/s")
@@ -50,7 +54,6 @@ def main() -> int:
         from transformers import AutoModelForCausalLM
 
         src = llm.engine.source
-        dtype = getattr(torch, args.dtype)
         if src.gguf_file is not None:
             hf = AutoModelForCausalLM.from_pretrained(str(src.folder), gguf_file=src.gguf_file.name, dtype=dtype)
         else:

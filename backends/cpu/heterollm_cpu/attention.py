@@ -2,8 +2,10 @@
 
 Cache layout per layer: (2, num_blocks, block_size, num_kv_heads, head_dim), K then V. A step's
 new K/V are scattered into their slots first; then decodes (one query token each) are attended
-together in one padded SDPA call over exactly the slots each one owns, and each prefill chunk
-attends over its cached context plus its own tokens with a causal offset mask. The gather plans
+together in one padded SDPA call: their blocks are gathered whole (one index_select of contiguous
+blocks, far cheaper than per-slot gathers) and the query heads are folded onto their KV head as
+(B, KV, H/KV, D), so GQA needs no repeated K/V; padding past each length is masked with -inf. Each
+prefill chunk attends over its cached context plus its own tokens with a causal offset mask. The gather plans
 are built once per step in `build_metadata` and shared by every layer.
 """
 from __future__ import annotations
@@ -31,15 +33,18 @@ class CpuAttentionMetadata(AttentionMetadata):
     """Adds the per-step gather plans every layer reuses: which cache slots each decode and each
     prefill-with-context reads, so no layer gathers padding or unwritten slots."""
 
+    fresh_blocks: torch.Tensor | None = None
+    """Blocks whose first slot, but not every slot, is written this step: zeroed first, so the unwritten tail a decode
+    reads (and masks) holds no stale NaN/inf from uninitialized memory (NaN survives a -inf mask)."""
     decode_rows: torch.Tensor | None = None
     """(B,) indices of the decode sequences; their query rows are query_start_loc[decode_rows]."""
-    decode_slots: torch.Tensor | None = None
-    """(B, L) cache slot of each key position; positions past a sequence's length repeat slot 0 of it."""
+    decode_blocks: torch.Tensor | None = None
+    """(B * nb,) block ids of the decodes, each table padded to the longest one's nb blocks."""
     decode_bias: torch.Tensor | None = None
-    """(B, 1, 1, L) 0 for real keys, -inf for padding."""
+    """(B, 1, 1, nb * block_size) 0 for real keys, -inf for padding."""
     prefills: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]] = field(default_factory=list)
-    """(start, end, slots of positions 0..seq_len, causal mask (q, seq_len)); both None when the
-    chunk has no cached context and attends to its own K/V."""
+    """(start, end, block ids covering positions 0..seq_len, causal mask (q, seq_len)); both None
+    when the chunk has no cached context and attends to its own K/V."""
 
 
 class CpuPagedAttention(AttentionBackend):
@@ -57,8 +62,9 @@ class CpuPagedAttention(AttentionBackend):
         q_lens = torch.tensor(inputs.query_lens, dtype=torch.long)
         ctx_lens = torch.tensor(inputs.context_lens, dtype=torch.long)
         width = max(max((len(t) for t in inputs.block_tables), default=1), 1)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in inputs.block_tables], dtype=torch.long)
-        _, slots = slot_mapping(tables, ctx_lens, q_lens, bs)
+        # pad each table with its own first block: padding then reads written, finite keys
+        tables = torch.tensor([t + t[:1] * (width - len(t)) for t in inputs.block_tables], dtype=torch.long)
+        pos, slots = slot_mapping(tables, ctx_lens, q_lens, bs)
         seq_lens = ctx_lens + q_lens
         starts = torch.cumsum(q_lens, 0) - q_lens
 
@@ -68,25 +74,25 @@ class CpuPagedAttention(AttentionBackend):
             query_start_loc=torch.cat([starts, q_lens.sum().view(1)]).to(device),
             seq_lens=seq_lens.to(device), block_tables=tables.to(device),
             query_lens=list(inputs.query_lens), context_lens=list(inputs.context_lens))
+        blocks = slots // bs
+        filled = torch.bincount(blocks, minlength=0)[blocks]  # new tokens landing in the same block
+        meta.fresh_blocks = blocks[(pos % bs == 0) & (filled < bs)].to(device)
         if bool(is_decode.any()):
             rows = is_decode.nonzero().squeeze(1)
             lens = seq_lens[rows]
-            pos = torch.arange(int(lens.max())).unsqueeze(0)
-            valid = pos < lens.unsqueeze(1)
-            pos = torch.where(valid, pos, 0)
-            dslots = tables[rows].gather(1, pos // bs) * bs + pos % bs
+            nb = (int(lens.max()) + bs - 1) // bs
+            valid = torch.arange(nb * bs).unsqueeze(0) < lens.unsqueeze(1)
             bias = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))[:, None, None, :]
             meta.decode_rows = starts[rows].to(device)
-            meta.decode_slots = dslots.to(device)
+            meta.decode_blocks = tables[rows, :nb].reshape(-1).to(device)
             meta.decode_bias = bias.to(device)
         for i in (~is_decode & (q_lens > 0)).nonzero().squeeze(1).tolist():
             s, ctx, total = int(starts[i]), int(ctx_lens[i]), int(seq_lens[i])
-            pslots = mask = None
+            blocks = mask = None
             if ctx > 0:
-                pos = torch.arange(total)
-                pslots = (tables[i, pos // bs] * bs + pos % bs).to(device)
-                mask = (pos.unsqueeze(0) <= torch.arange(ctx, total).unsqueeze(1)).to(device)
-            meta.prefills.append((s, s + int(q_lens[i]), pslots, mask))
+                blocks = tables[i, :(total + bs - 1) // bs].to(device)
+                mask = (torch.arange(total).unsqueeze(0) <= torch.arange(ctx, total).unsqueeze(1)).to(device)
+            meta.prefills.append((s, s + int(q_lens[i]), blocks, mask))
         return meta
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -94,6 +100,8 @@ class CpuPagedAttention(AttentionBackend):
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         flat_k = kv_cache[0].view(num_blocks * block_size, num_kv_heads, head_dim)
         flat_v = kv_cache[1].view(num_blocks * block_size, num_kv_heads, head_dim)
+        if len(metadata.fresh_blocks):
+            kv_cache.index_fill_(1, metadata.fresh_blocks, 0)
         flat_k.index_copy_(0, metadata.slot_mapping, key.to(flat_k.dtype))
         flat_v.index_copy_(0, metadata.slot_mapping, value.to(flat_v.dtype))
 
@@ -101,23 +109,25 @@ class CpuPagedAttention(AttentionBackend):
         if metadata.decode_rows is not None:
             if metadata.decode_bias.dtype != query.dtype:  # once per step, not per layer
                 metadata.decode_bias = metadata.decode_bias.to(query.dtype)
-            q = query[metadata.decode_rows].unsqueeze(2)  # (B, H, 1, D)
-            k = flat_k[metadata.decode_slots].transpose(1, 2)  # (B, KV, L, D)
-            v = flat_v[metadata.decode_slots].transpose(1, 2)
-            o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype),
-                                               attn_mask=metadata.decode_bias, scale=scale,
-                                               enable_gqa=True)
-            out[metadata.decode_rows] = o.squeeze(2)
-        for s, e, pslots, mask in metadata.prefills:
+            b = len(metadata.decode_rows)
+            q = query[metadata.decode_rows].view(b, num_kv_heads, -1, head_dim)  # (B, KV, G, D)
+            k = kv_cache[0].index_select(0, metadata.decode_blocks).view(b, -1, num_kv_heads, head_dim)
+            v = kv_cache[1].index_select(0, metadata.decode_blocks).view(b, -1, num_kv_heads, head_dim)
+            o = F.scaled_dot_product_attention(q, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+                                               attn_mask=metadata.decode_bias, scale=scale)
+            out[metadata.decode_rows] = o.reshape(b, -1, head_dim)
+        for s, e, blocks, mask in metadata.prefills:
             q = query[s:e].transpose(0, 1).unsqueeze(0)  # (1, H, q, D)
-            if pslots is None:
+            if blocks is None:
                 o = F.scaled_dot_product_attention(
                     q, key[s:e].transpose(0, 1).unsqueeze(0).to(q.dtype),
                     value[s:e].transpose(0, 1).unsqueeze(0).to(q.dtype), is_causal=True, scale=scale,
                     enable_gqa=True)
             else:
-                k = flat_k[pslots].transpose(0, 1).unsqueeze(0)
-                v = flat_v[pslots].transpose(0, 1).unsqueeze(0)
+                total = mask.shape[1]
+                k = kv_cache[0].index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:total]
+                v = kv_cache[1].index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:total]
+                k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
                                                    enable_gqa=True)
             out[s:e] = o.squeeze(0).transpose(0, 1)
