@@ -13,7 +13,7 @@ from heterollm.engine.outputs import CompletionOutput, RequestMetrics, RequestOu
 from heterollm.engine.request import Request, RequestRejected
 from heterollm.kv_cache import KVCacheManager
 from heterollm.model_executor.loader import resolve_model
-from heterollm.model_executor.runner import LaunchContext
+from heterollm.model_executor.runner import LaunchContext, resolve_dtype
 from heterollm.sampling import SamplingParams
 from heterollm.scheduler import Scheduler
 from heterollm.tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -52,6 +52,9 @@ class LLMEngine:
         self.config = config
         self.selection = launch_selection(config)
         self.source = resolve_model(config.model.model)
+        self.dtype = resolve_dtype(config.device.dtype, self.source.hf_config, self.selection.platform,
+                                   self.source.gguf_file is not None)
+        """The weight/activation dtype `--dtype` resolves to (the runner resolves it identically)."""
         hf = self.source.hf_config
         max_len = config.fastdeploy.max_model_len
         model_max = getattr(hf, "max_position_embeddings", None)
