@@ -1,6 +1,7 @@
 """SamplingParams: what a request asks of the sampler and of the output processor."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -59,14 +60,17 @@ class SamplingParams:
         need(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1), "max_tokens",
              "must be an integer >= 1")
         need(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "must be an integer >= 0")
-        need(self.temperature >= 0, "temperature", "must be >= 0")
+        need(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens")
+        need(math.isfinite(self.temperature) and self.temperature >= 0, "temperature", "must be a finite number >= 0")
         need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         need(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "must be -1, 0 (disabled) or a positive integer")
         need(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
-        need(self.repetition_penalty > 0, "repetition_penalty", "must be > 0")
+        need(math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+             "must be a finite number > 0")
         need(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
         need(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
-        need(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        need(self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed and self.seed + self.n <= 2**63),
+             "seed", "must be an integer that fits in 64 bits (signed)")
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "must be non-negative integers")

@@ -1,7 +1,8 @@
 """Load the tokenizer of a model source through transformers and wrap the bits the engine uses."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -10,25 +11,34 @@ from heterollm.config import ConfigError
 
 @dataclass
 class Tokenizer:
+    """The model's tokenizer. Safe to share between the server's event loop (encoding requests) and
+    the engine thread (detokenizing outputs): a fast tokenizer's Rust core refuses concurrent use
+    ("Already borrowed"), so every call holds one lock."""
+
     hf: Any
     eos_token_ids: set[int]
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+        with self._lock:
+            return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        with self._lock:
+            return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: list[int], skip_special_tokens: bool = False) -> list[str]:
-        return self.hf.convert_ids_to_tokens(ids, skip_special_tokens=skip_special_tokens)
+        with self._lock:
+            return self.hf.convert_ids_to_tokens(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             chat_template: str | None = None, **kwargs: Any) -> list[int]:
         template = chat_template or self.hf.chat_template
         if not template:
             raise ValueError("messages: this model has no chat template; pass --chat_template or use a plain prompt")
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           chat_template=template, **kwargs)
+        with self._lock:
+            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                               chat_template=template, **kwargs)
         # the template already holds the special tokens (BOS included where the model wants it)
         return self.encode(text, add_special_tokens=False)
 
