@@ -89,7 +89,7 @@ def test_request_queue_full():
     s.add(req("b", 3))
     with pytest.raises(RequestRejected, match="request_queue_size=2") as info:
         s.add(req("c", 3))
-    assert info.value.status == 503
+    assert info.value.status == 429
 
 
 def test_preemption_frees_and_recomputes():

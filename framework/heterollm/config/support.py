@@ -33,6 +33,8 @@ CUDA_ONLY = "CUDA only"
 DIT = "DiT (diffusion) models only; heterollm serves text LLMs"
 MULTIMODAL = "multimodal models are not supported yet"
 NO_EQUIVALENT = "FastDeploy-internal; heterollm has no such component"
+IN_PROCESS = ("xLLM's bRPC workers and handler thread pools have no equivalent: heterollm serves from one process "
+              "(asyncio HTTP server + one engine thread)")
 
 RULES: dict[str, Rule] = {
     **_rules("enable_vmm_weights enable_rolling_load rolling_load_num_cached_layers rolling_load_num_rolling_slots "
@@ -49,6 +51,8 @@ RULES: dict[str, Rule] = {
              "use_audio_in_video audio_max_upload_file_mb audio_max_decode_duration_s enable_mm_encoder_dp "
              "enable_return_embedding_modality_tags mm_processor_kwargs limit_mm_per_prompt enable_mm", MULTIMODAL),
     **_rules("engine_worker_queue_port cache_queue_port", NO_EQUIVALENT),
+    **_rules("rpc_channel_timeout_ms max_reconnect_count num_threads num_request_handling_threads "
+             "num_response_handling_threads", IN_PROCESS),
 }
 
 def _planned(names: str, reason: str, ok: tuple[Any, ...] = ()) -> None:
@@ -56,17 +60,14 @@ def _planned(names: str, reason: str, ok: tuple[Any, ...] = ()) -> None:
     RULES.update(_rules(names, f"not built yet ({reason})", (), ok))
 
 
-_planned("model_id reasoning_parser tool_call_parser enable_qwen3_reranker served_model_name tool_parser_plugin",
-         "the OpenAI server issue")
+_planned("reasoning_parser tool_call_parser tool_parser_plugin", "tool calling / reasoning parsers")
+_planned("enable_qwen3_reranker", "reranking / embedding tasks")
 _planned("backend", "vlm and dit backends; --backend=llm is accepted", ok=("llm",))
 _planned("task", "embedding tasks; --task=generate is accepted", ok=("generate",))
 _planned("quantization revision load_choices dynamic_load_weight use_warmup",
          "quantized execution / weight reloading (weights are dequantized on load)")
 _planned("kv_cache_ratio static_decode_blocks max_num_partial_prefills max_long_partial_prefills "
          "long_prefill_token_threshold prefill_scheduling_memory_usage_threshold", "scheduler policies issue")
-_planned("host port rpc_idle_timeout_s rpc_channel_timeout_ms max_reconnect_count num_threads "
-         "max_concurrent_requests num_request_handling_threads num_response_handling_threads metrics_port "
-         "max_waiting_time enable_logprob", "the OpenAI server issue")
 _planned("enable_in_batch_prefix_cache kv_events_config xxh3_128bits_seed chunked_match_frequency priority_strategy "
          "aggressive_coeff starve_threshold enable_starve_prevent swap_space", "the prefix cache / policies issue",
          ok=())

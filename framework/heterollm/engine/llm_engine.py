@@ -148,6 +148,10 @@ class LLMEngine:
             self.scheduler.finish(child.request.request_id, "abort")
             self._children.pop(child.request.request_id, None)
 
+    def is_unfinished(self, request_id: str) -> bool:
+        """Whether `request_id` was admitted and has not finished or been aborted."""
+        return request_id in self._parents
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

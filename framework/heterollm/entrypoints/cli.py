@@ -16,6 +16,7 @@ from heterollm.config.base import FlagGroup
 from heterollm.config.loader import FlagTable
 from heterollm.config.support import check_support
 from heterollm.entrypoints.generate import GenerateFlags
+from heterollm.entrypoints.serve import ServeFlags
 
 EXIT_USAGE = 2
 
@@ -51,10 +52,9 @@ def _cmd_backends(_: LoadedConfig | None) -> int:
 
 
 def _cmd_serve(loaded: LoadedConfig) -> int:
-    from heterollm.entrypoints.launch import launch_selection
-    launch_selection(loaded.config)
-    return _fail("the HTTP server is not built yet (the OpenAI server issue lands `serve`); "
-                 "use `heterollm generate` or the offline `LLM` API")
+    from heterollm.entrypoints.serve import run_serve
+    _configure_logging()
+    return run_serve(loaded)
 
 
 def _cmd_generate(loaded: LoadedConfig) -> int:
@@ -64,7 +64,7 @@ def _cmd_generate(loaded: LoadedConfig) -> int:
 
 
 COMMANDS: dict[str, Command] = {
-    "serve": Command("run the OpenAI-compatible HTTP server", _cmd_serve),
+    "serve": Command("run the OpenAI-compatible HTTP server", _cmd_serve, extra_groups={"serve": ServeFlags}),
     "generate": Command("generate text for a prompt, offline, streaming to the terminal", _cmd_generate,
                         extra_groups={"generate": GenerateFlags}),
     "backends": Command("list discovered platforms and components, with origin and usability", _cmd_backends,

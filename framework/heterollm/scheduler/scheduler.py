@@ -45,7 +45,7 @@ class Scheduler:
                                             f"{self.config.max_tokens_per_batch} with chunked prefill disabled")
         if len(self.waiting) >= self.config.request_queue_size:
             raise RequestRejected("request", f"the request queue is full (request_queue_size="
-                                             f"{self.config.request_queue_size}); retry later", status=503)
+                                             f"{self.config.request_queue_size}); retry later", status=429)
         if request.request_id in self.requests:
             raise RequestRejected("request_id", f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request

@@ -1,0 +1,242 @@
+"""The engine for servers: the synchronous LLMEngine stepped by one background thread, fed and
+drained through thread-safe queues, with results streamed to asyncio callers.
+
+Only the engine thread touches the LLMEngine. Callers submit `add`/`abort` commands; the thread
+applies them between steps, so admission errors (RequestRejected) come back to the caller that
+caused them and a request is never half-admitted. A step that raises fails the requests in it
+with EngineError and the loop goes on: one bad step must not leave a dead engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from heterollm.engine.llm_engine import LLMEngine
+from heterollm.engine.outputs import RequestOutput
+from heterollm.engine.request import RequestRejected
+from heterollm.sampling import SamplingParams
+
+logger = logging.getLogger("heterollm.engine")
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running a request (HTTP 500); the engine itself keeps serving."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_finished: Callable[[RequestOutput], None] | None = None,
+                 on_aborted: Callable[[str], None] | None = None) -> None:
+        self.engine = engine
+        self.on_finished = on_finished
+        """Called on the engine thread with each request's final output (metrics hook)."""
+        self.on_aborted = on_aborted
+        """Called on the engine thread with the id of each request aborted before it finished."""
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heterollm-engine", daemon=True)
+        self.steps = 0
+        self.step_errors = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self.engine.shutdown()
+
+    # -- the caller's side -----------------------------------------------------------------
+    async def add(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                  prompt_token_ids: list[int] | None = None,
+                  first_output_timeout: float | None = None) -> RequestStream:
+        """Admit the request; its outputs then come from the returned stream.
+
+        Raises RequestRejected when the engine refuses the request (nothing is admitted then).
+        The stream raises RequestRejected (status 503) when `first_output_timeout` seconds pass
+        before the first output. Closing the stream early (a client that went away) aborts the
+        request and frees its blocks."""
+        if not self.alive:
+            raise EngineError("the engine is shutting down")
+        loop = asyncio.get_running_loop()
+        admitted = loop.create_future()
+        stream = _Stream(loop, asyncio.Queue())
+        self._commands.put(("add", (prompt, params, request_id, prompt_token_ids), admitted, stream))
+        self._wake.set()
+        try:
+            await admitted
+        except asyncio.CancelledError:  # the caller went away while the request was being admitted
+            self.abort(request_id)
+            raise
+        return RequestStream(self, request_id, stream.queue, first_output_timeout)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                       prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+        """add() and iterate in one: yields the request's outputs until the finished one."""
+        stream = await self.add(prompt, params, request_id, prompt_token_ids)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id, None, None))
+        self._wake.set()
+
+    def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run fn(engine) on the engine thread (between steps) and wait for its result; for tests
+        and admin reads that need a consistent view."""
+        done = threading.Event()
+        box: dict[str, Any] = {}
+        self._commands.put(("call", (fn, box, done), None, None))
+        self._wake.set()
+        done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    # -- the engine thread -----------------------------------------------------------------
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        final = isinstance(item, BaseException) or item.finished
+        if final:
+            del self._streams[request_id]
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            self.engine.abort(request_id)
+
+    def _apply(self, kind: str, payload: Any, admitted: Any, stream: Any) -> None:
+        if kind == "add":
+            prompt, params, request_id, ids = payload
+            try:
+                self.engine.add_request(prompt, params, request_id=request_id, prompt_token_ids=ids)
+            except Exception as exc:  # RequestRejected and anything a bad prompt provokes
+                if not isinstance(exc, RequestRejected):
+                    logger.exception("admitting request %s failed", request_id)
+                    exc = EngineError(f"admitting the request failed: {exc}")
+                stream.loop.call_soon_threadsafe(_settle, admitted, exc)
+                return
+            self._streams[request_id] = stream
+            stream.loop.call_soon_threadsafe(_settle, admitted, None)
+        elif kind == "abort":
+            self._streams.pop(payload, None)
+            if self.engine.is_unfinished(payload):
+                self.engine.abort(payload)
+                if self.on_aborted is not None:
+                    self.on_aborted(payload)
+        elif kind == "call":
+            fn, box, done = payload
+            try:
+                box["value"] = fn(self.engine)
+            except Exception as exc:
+                box["error"] = exc
+            done.set()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            self._apply(*cmd)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            self._drain()
+            if not self.engine.has_unfinished():
+                self._wake.wait(0.5)
+                continue
+            try:
+                outputs = self.engine.step()
+                self.steps += 1
+            except Exception as exc:
+                self.step_errors += 1
+                logger.exception("engine step failed; failing the requests in flight")
+                for request_id in list(self._streams):
+                    self.engine.abort(request_id)
+                    self._deliver(request_id, EngineError(f"the engine failed on this batch: {exc}"))
+                continue
+            for out in outputs:
+                if out.finished and self.on_finished is not None:
+                    try:
+                        self.on_finished(out)
+                    except Exception:
+                        logger.exception("on_finished hook failed")
+                self._deliver(out.request_id, out)
+        # shutting down: whoever still waits learns why
+        self._drain()
+        for request_id in list(self._streams):
+            self._deliver(request_id, EngineError("the engine shut down"))
+
+
+class RequestStream:
+    """The outputs of one admitted request, in order, ending with the finished one."""
+
+    def __init__(self, owner: AsyncEngine, request_id: str, q: asyncio.Queue,
+                 first_output_timeout: float | None) -> None:
+        self.owner, self.request_id, self._queue = owner, request_id, q
+        self._timeout = first_output_timeout
+        self.finished = False
+
+    def close(self) -> None:
+        """Abort the request unless it already finished; safe to call more than once."""
+        if not self.finished:
+            self.finished = True
+            self.owner.abort(self.request_id)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        first = True
+        try:
+            while not self.finished:
+                if first and self._timeout is not None:
+                    try:
+                        item = await asyncio.wait_for(self._queue.get(), self._timeout)
+                    except asyncio.TimeoutError:
+                        raise RequestRejected("request", f"the request waited more than max_waiting_time="
+                                                         f"{self._timeout:g}s to start; retry later",
+                                              status=503) from None
+                else:
+                    item = await self._queue.get()
+                first = False
+                if isinstance(item, BaseException):
+                    self.finished = True  # the engine already dropped it
+                    raise item
+                if item.finished:
+                    self.finished = True
+                yield item
+        finally:
+            self.close()
+
+
+def _settle(future: asyncio.Future, exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is None:
+        future.set_result(None)
+    else:
+        future.set_exception(exc)
+

@@ -1,0 +1,73 @@
+"""Prometheus metrics of one server (its own registry, so tests can run several)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from heterollm.engine.llm_engine import LLMEngine
+from heterollm.engine.outputs import RequestOutput
+
+_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_PER_TOKEN = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class ServerMetrics:
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        r = self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.model_name = model_name
+        self.requests = Counter("heterollm_requests", "Requests that finished, by finish reason.",
+                                labels + ["finish_reason"], registry=r)
+        self.errors = Counter("heterollm_request_errors", "Requests refused or failed, by HTTP status.",
+                              labels + ["status"], registry=r)
+        self.prompt_tokens = Counter("heterollm_prompt_tokens", "Prompt tokens of finished requests.", labels,
+                                     registry=r)
+        self.generation_tokens = Counter("heterollm_generation_tokens", "Generated tokens of finished requests.",
+                                         labels, registry=r)
+        self.aborts = Counter("heterollm_request_aborts", "Requests aborted before they finished (the client went "
+                              "away, or its answer could not be delivered).", labels, registry=r)
+        self.preemptions = Counter("heterollm_num_preemptions", "Preemptions (recompute) of finished requests.",
+                                   labels, registry=r)
+        self.ttft = Histogram("heterollm_time_to_first_token_seconds", "Arrival to first generated token.",
+                              labels, buckets=_LATENCY, registry=r)
+        self.tpot = Histogram("heterollm_time_per_output_token_seconds", "Mean time per output token after "
+                              "the first.", labels, buckets=_PER_TOKEN, registry=r)
+        self.e2e = Histogram("heterollm_e2e_request_latency_seconds", "Arrival to the last token.", labels,
+                             buckets=_LATENCY, registry=r)
+        for metric in (self.aborts, self.prompt_tokens, self.generation_tokens, self.preemptions, self.ttft, self.tpot,
+                       self.e2e):
+            metric.labels(model_name)  # exported as 0 from the start, so rates work before the first request
+        gauges = {
+            "heterollm_num_requests_running": ("Sequences being computed (n > 1 counts each).",
+                                               lambda: len(engine.scheduler.running)),
+            "heterollm_num_requests_waiting": ("Sequences waiting for admission to a batch.",
+                                               lambda: len(engine.scheduler.waiting)),
+            "heterollm_kv_cache_usage_perc": ("Fraction of KV cache blocks in use (0..1).",
+                                              lambda: engine.kv.usage),
+            "heterollm_kv_cache_free_blocks": ("KV cache blocks free.", lambda: engine.kv.num_free_blocks),
+            "heterollm_kv_cache_total_blocks": ("KV cache blocks in all.", lambda: engine.kv.pool.num_blocks),
+        }
+        for name, (doc, fn) in gauges.items():
+            Gauge(name, doc, registry=r).set_function(fn)
+        self.in_flight = Gauge("heterollm_http_requests_in_flight", "Generation requests the server is handling.",
+                               registry=r)
+
+    def record_finished(self, out: RequestOutput) -> None:
+        """Called on the engine thread with each finished request's final output."""
+        m, name = out.metrics, self.model_name
+        for c in out.outputs:
+            self.requests.labels(name, c.finish_reason or "unknown").inc()
+        self.prompt_tokens.labels(name).inc(m.num_prompt_tokens)
+        self.generation_tokens.labels(name).inc(m.num_generated_tokens)
+        self.preemptions.labels(name).inc(m.num_preemptions)
+        if m.ttft is not None:
+            self.ttft.labels(name).observe(m.ttft)
+        if m.tpot is not None:
+            self.tpot.labels(name).observe(m.tpot)
+        if m.finished_time is not None:
+            self.e2e.labels(name).observe(m.finished_time - m.arrival_time)
+
+    def record_abort(self, _request_id: str) -> None:
+        self.aborts.labels(self.model_name).inc()
+
+    def record_error(self, status: int) -> None:
+        self.errors.labels(self.model_name, str(status)).inc()

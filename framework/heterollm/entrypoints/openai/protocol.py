@@ -1,0 +1,235 @@
+"""OpenAI request bodies (plus the vLLM extensions clients rely on) and their translation into
+SamplingParams. Bodies are parsed strictly from JSON: a wrong type is a 400 naming the field,
+never a silent coercion. Unknown fields are ignored with a warning, as vLLM does."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from heterollm.sampling import SamplingParams, SamplingParamsError
+
+logger = logging.getLogger("heterollm.server")
+
+MAX_N = 128
+"""Most completions one request may ask for (n, times the prompts of a batched completion)."""
+
+
+class BadRequest(ValueError):
+    """A request the server refuses; rendered as an OpenAI error body."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM extension: usage in every chunk, not only the last."""
+
+
+class _SamplingFields(_Body):
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+
+    def check_common(self) -> None:
+        if self.logit_bias:
+            raise BadRequest("logit_bias is not supported yet", "logit_bias")
+        if self.best_of is not None and self.best_of != self.n:
+            raise BadRequest(f"best_of={self.best_of} is not supported; only best_of == n", "best_of")
+        if self.stream_options is not None and not self.stream:
+            raise BadRequest("stream_options is only allowed with stream=true", "stream_options")
+        extra = sorted(self.model_extra or {})
+        if extra:
+            logger.warning("ignoring unknown request fields: %s", ", ".join(extra))
+
+    def sampling_params(self, defaults: dict[str, Any], max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None, logprobs_name: str) -> SamplingParams:
+        picked = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "repetition_penalty")
+                  if getattr(self, k) is not None}
+        kwargs = {**defaults, **picked}
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise BadRequest(f"n must be between 1 and {MAX_N}, got {self.n}", "n")
+        try:
+            return SamplingParams(
+                n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
+                min_p=self.min_p if self.min_p is not None else 0.0,
+                presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+                seed=self.seed, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
+                ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+                **kwargs)
+        except SamplingParamsError as exc:
+            name = {"logprobs": logprobs_name}.get(exc.field, exc.field)
+            raise BadRequest(str(exc).replace(f"{exc.field}:", f"{name}:", 1), name) from None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def check(self) -> None:
+        self.check_common()
+        if self.suffix:
+            raise BadRequest("suffix is not supported", "suffix")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise BadRequest("prompt must not be empty", "prompt")
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_message(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        msg = {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+        if self.name is not None:
+            msg["name"] = self.name
+        return msg
+
+
+def check_messages(messages: list[ChatMessage]) -> None:
+    if not messages:
+        raise BadRequest("messages must be a non-empty list", "messages")
+    for i, m in enumerate(messages):
+        if m.content is None and m.role != "assistant":
+            raise BadRequest(f"messages.{i}.content is required for a {m.role} message", f"messages.{i}.content")
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        self.check_common()
+        check_messages(self.messages)
+        if self.tools:
+            raise BadRequest("tools are not supported yet (tool-call parsing is a later feature)", "tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise BadRequest("response_format other than text is not supported yet (structured output is a "
+                             "later feature)", "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise BadRequest("top_logprobs needs logprobs=true", "top_logprobs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise BadRequest("continue_final_message and add_generation_prompt cannot both be true",
+                             "continue_final_message")
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int] = Field(default_factory=list)
+
+
+_UNION_HINTS = {
+    "prompt": "must be a string, a list of strings, a list of token ids, or a list of lists of token ids",
+    "stop": "must be a string or a list of strings",
+    "content": "must be a string or a list of text parts ({\"type\": \"text\", \"text\": ...})",
+}
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    parts = [str(x) for x in loc if not (isinstance(x, str) and (x in _TYPE_TAGS or "[" in x))]
+    return ".".join(parts) or None
+
+
+def parse_body(model: type[_Body], raw: bytes) -> Any:
+    """Raw request bytes -> the model, or BadRequest naming what is wrong."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"the request body is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        errors = exc.errors()
+        first = errors[0]
+        if first["type"] == "json_invalid":
+            raise BadRequest(f"the request body is not valid JSON: {first['msg'].removeprefix('Invalid JSON: ')}") \
+                from None
+        if first["type"] == "model_type" and not first["loc"]:
+            raise BadRequest("the request body must be a JSON object") from None
+        param = _param(first["loc"])
+        leaf = param.split(".")[-1] if param else None
+        top = (param or "").split(".")[0]
+        siblings = [e for e in errors if (_param(e["loc"]) or "").split(".")[0] == top]
+        if first["type"] == "missing":
+            message = f"{param} is required"
+        elif leaf in _UNION_HINTS and len(siblings) > 1:
+            message = f"{param} {_UNION_HINTS[leaf]}"
+        elif first["type"] == "literal_error":
+            message = f"{param}: {first['msg'].lower()}, got {first.get('input')!r}"
+        else:
+            message = f"{param}: {first['msg'].lower()}"
+        raise BadRequest(message, param) from None

@@ -1,0 +1,618 @@
+"""The OpenAI-compatible HTTP server (FastAPI): /v1/completions, /v1/chat/completions (streaming
+with Server-Sent Events), /v1/models, /tokenize, /detokenize, /health, /metrics.
+
+Every refusal is an OpenAI error body `{"error": {"message", "type", "param", "code"}}` with the
+field at fault in `param`; no traceback ever reaches a client, and one bad request never touches
+the others in the batch (the engine checks it before admitting it).
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from heterollm.engine.async_engine import AsyncEngine, EngineError, RequestStream
+from heterollm.engine.llm_engine import LLMEngine
+from heterollm.engine.outputs import RequestOutput
+from heterollm.engine.request import RequestRejected
+from heterollm.entrypoints.openai.metrics import ServerMetrics
+from heterollm.entrypoints.openai.protocol import (
+    MAX_N, BadRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, check_messages,
+    parse_body)
+from heterollm.interfaces import TokenLogprobs
+from heterollm.sampling import SamplingParams
+
+logger = logging.getLogger("heterollm.server")
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                500: "server_error", 503: "service_unavailable"}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": status}}
+
+
+@dataclass
+class ServerSettings:
+    served_model_names: list[str]
+    """The first is reported by /v1/models and in responses; any of them is accepted in `model`."""
+    model_root: str = ""
+    api_key: str | None = None
+    max_concurrent_requests: int = 0
+    """0: unlimited."""
+    max_waiting_time: float | None = None
+    """Seconds a request may wait for its first output before it is refused with 503."""
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+class _SSEResponse(StreamingResponse):
+    """A Server-Sent Events stream that always runs `cleanup` when it ends, however it ends
+    (finished, failed, or the client went away mid-stream, when the events iterator is closed so
+    its requests are aborted at once rather than whenever the generator is collected)."""
+
+    def __init__(self, events: AsyncIterator[str], cleanup) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._cleanup = cleanup
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.body_iterator.aclose()
+            finally:
+                self._cleanup()
+
+
+class _ApiKeyMiddleware:
+    """Every /v1 route needs `Authorization: Bearer <key>`. A plain ASGI middleware (not
+    BaseHTTPMiddleware), so streaming and disconnect detection pass through untouched."""
+
+    def __init__(self, app, server: OpenAIServer) -> None:
+        self.app, self.server = app, server
+        self.expected = f"Bearer {server.settings.api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = self.server._error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class OpenAIServer:
+    def __init__(self, engine: LLMEngine, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.model_name = settings.served_model_names[0]
+        self.metrics = ServerMetrics(engine, self.model_name)
+        self.async_engine = AsyncEngine(engine, on_finished=self.metrics.record_finished,
+                                        on_aborted=self.metrics.record_abort)
+        self.in_flight = 0
+        self.created = int(time.time())
+        self.defaults = dict(engine.source.generation_defaults)
+        self.app = self._build_app()
+
+    # -- app -------------------------------------------------------------------------------
+    def _build_app(self) -> FastAPI:
+        @asynccontextmanager
+        async def lifespan(_: FastAPI):
+            if not self.async_engine.alive:
+                self.async_engine.start()
+            yield
+            self.async_engine.shutdown()
+
+        app = FastAPI(title="heterollm", lifespan=lifespan)
+        app.state.server = self
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+            return self._error(exc.status_code, str(exc.detail))
+
+        @app.exception_handler(RequestValidationError)
+        async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+            first = exc.errors()[0] if exc.errors() else {}
+            loc = [str(x) for x in first.get("loc", ())[1:]]
+            return self._error(400, first.get("msg", "invalid request"), ".".join(loc) or None)
+
+        @app.exception_handler(Exception)
+        async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+            logger.exception("unhandled error")
+            return self._error(500, f"internal error: {type(exc).__name__}")
+
+        if self.settings.api_key:
+            app.add_middleware(_ApiKeyMiddleware, server=self)
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics_endpoint, methods=["GET"])
+        app.add_api_route("/version", self.version, methods=["GET"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        for path, handler, model in (("/v1/completions", self.completions, CompletionRequest),
+                                     ("/v1/chat/completions", self.chat_completions, ChatCompletionRequest),
+                                     ("/tokenize", self.tokenize, TokenizeRequest),
+                                     ("/detokenize", self.detokenize, DetokenizeRequest)):
+            app.add_api_route(path, handler, methods=["POST"], openapi_extra={"requestBody": {
+                "required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}})
+        return app
+
+    def _error(self, status: int, message: str, param: str | None = None) -> JSONResponse:
+        if status >= 400:
+            self.metrics.record_error(status)
+        return JSONResponse(error_body(status, message, param), status_code=status)
+
+    # -- small routes ----------------------------------------------------------------------
+    async def health(self) -> Response:
+        if not self.async_engine.alive:
+            return self._error(503, "the engine is not running")
+        return Response(status_code=200)
+
+    async def version(self) -> dict[str, str]:
+        from importlib.metadata import version
+        return {"version": version("heterollm")}
+
+    async def metrics_endpoint(self) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self) -> dict[str, Any]:
+        data = [{"id": name, "object": "model", "created": self.created, "owned_by": "heterollm",
+                 "root": self.settings.model_root or name, "parent": None,
+                 "max_model_len": self.engine.max_model_len} for name in self.settings.served_model_names]
+        return {"object": "list", "data": data}
+
+    async def tokenize(self, request: Request) -> Any:
+        try:
+            body = parse_body(TokenizeRequest, await request.body())
+            self._check_model(body.model)
+            if (body.prompt is None) == (body.messages is None):
+                raise BadRequest("give exactly one of prompt or messages", "prompt")
+            if body.messages is not None:
+                check_messages(body.messages)
+                ids = self._chat_ids(body.messages, body.add_generation_prompt, body.continue_final_message,
+                                     body.chat_template, body.chat_template_kwargs)
+            else:
+                ids = self.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        except BadRequest as exc:
+            return self._error(exc.status, str(exc), exc.param)
+        strs = self.engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids, "token_strs": strs}
+
+    async def detokenize(self, request: Request) -> Any:
+        try:
+            body = parse_body(DetokenizeRequest, await request.body())
+            self._check_model(body.model)
+            self._check_ids(body.tokens, "tokens")
+        except BadRequest as exc:
+            return self._error(exc.status, str(exc), exc.param)
+        return {"prompt": self.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    # -- shared checks ---------------------------------------------------------------------
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.settings.served_model_names:
+            raise BadRequest(f"the model {model!r} does not exist; this server serves "
+                             f"{', '.join(repr(n) for n in self.settings.served_model_names)}", "model", 404)
+
+    def _check_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.engine.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"{param}: token id {bad[0]} is outside the vocabulary [0, {vocab})", param)
+
+    def _chat_ids(self, messages, add_generation_prompt: bool, continue_final_message: bool,
+                  chat_template: str | None, template_kwargs: dict[str, Any] | None) -> list[int]:
+        conv = [m.as_template_message() for m in messages]
+        kwargs = dict(template_kwargs or {})
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
+        try:
+            return self.engine.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                                             chat_template=chat_template, **kwargs)
+        except ValueError as exc:
+            raise BadRequest(str(exc).removeprefix("messages: "), "messages") from None
+        except Exception as exc:  # a template that raises on these messages (jinja errors and the like)
+            raise BadRequest(f"the chat template failed on these messages: {exc}", "messages") from None
+
+    def _max_tokens(self, prompt_len: int, requested: int | None, prompt_param: str,
+                    max_tokens_param: str) -> int:
+        limit = self.engine.max_model_len
+        if prompt_len >= limit:
+            raise BadRequest(f"this model's maximum context length (max_model_len) is {limit} tokens, but the "
+                             f"{prompt_param} has {prompt_len} tokens", prompt_param)
+        if requested is None:
+            return limit - prompt_len
+        if not isinstance(requested, int) or requested < 1:
+            raise BadRequest(f"{max_tokens_param} must be an integer >= 1, got {requested!r}", max_tokens_param)
+        if prompt_len + requested > limit:
+            raise BadRequest(f"this model's maximum context length (max_model_len) is {limit} tokens; you asked "
+                             f"for {prompt_len + requested} ({prompt_len} in the {prompt_param}, {requested} in "
+                             f"{max_tokens_param}); lower {max_tokens_param}", max_tokens_param)
+        return requested
+
+    @lru_cache(maxsize=65536)
+    def _token_str(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # -- generation ------------------------------------------------------------------------
+    async def _admit(self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
+                     request_id: str) -> list[RequestStream]:
+        streams: list[RequestStream] = []
+        try:
+            for i, (text, ids) in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                # each prompt gets its own copy: the engine fills in max_tokens per request
+                p = SamplingParams(**{**params.__dict__})
+                streams.append(await self.async_engine.add(text if text is not None else ids, p, rid,
+                                                           prompt_token_ids=ids,
+                                                           first_output_timeout=self.settings.max_waiting_time))
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+        return streams
+
+    async def _run(self, request: Request, kind: str) -> Response:
+        limit = self.settings.max_concurrent_requests
+        if limit and self.in_flight >= limit:
+            return self._error(429, f"the server is at max_concurrent_requests={limit}; retry later")
+        self.in_flight += 1
+        self.metrics.in_flight.inc()
+        release = True
+        try:
+            handler = self._completions if kind == "completions" else self._chat
+            response = await handler(request)
+            if isinstance(response, StreamingResponse):
+                release = False  # the stream releases its slot when it ends
+            return response
+        except BadRequest as exc:
+            return self._error(exc.status, str(exc), exc.param)
+        except RequestRejected as exc:
+            return self._error(exc.status, str(exc), exc.field)
+        except EngineError as exc:
+            return self._error(500, str(exc))
+        except _ClientGone:
+            return Response(status_code=499)
+        finally:
+            if release:
+                self._release()
+
+    def _release(self) -> None:
+        self.in_flight -= 1
+        self.metrics.in_flight.dec()
+
+    async def completions(self, request: Request) -> Response:
+        return await self._run(request, "completions")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._run(request, "chat")
+
+    async def _completions(self, request: Request) -> Response:
+        body: CompletionRequest = parse_body(CompletionRequest, await request.body())
+        body.check()
+        self._check_model(body.model)
+        prompts: list[tuple[str | None, list[int]]] = []
+        for p in body.prompts():
+            if isinstance(p, str):
+                prompts.append((p, self.engine.tokenizer.encode(p)))
+            else:
+                self._check_ids(p, "prompt")
+                prompts.append((None, list(p)))
+        if any(not ids for _, ids in prompts):
+            raise BadRequest("prompt must not be empty", "prompt")
+        if len(prompts) * body.n > MAX_N:
+            raise BadRequest(f"{len(prompts)} prompts x n={body.n} completions is more than {MAX_N}", "n")
+        longest = max(len(ids) for _, ids in prompts)
+        requested = body.max_tokens
+        if "max_tokens" not in body.model_fields_set:  # OpenAI's default of 16, clamped to the context left
+            requested = max(1, min(16, self.engine.max_model_len - longest))
+        max_tokens = self._max_tokens(longest, requested, "prompt", "max_tokens")
+        want_prompt_lps = body.logprobs if body.echo and body.logprobs is not None else None
+        params = body.sampling_params(self.defaults, max_tokens, body.logprobs, want_prompt_lps, "logprobs")
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = await self._admit(prompts, params, request_id)
+        ctx = _Ctx(self, request_id, "text_completion", body, prompts, streams, body.logprobs)
+        if body.stream:
+            return self._sse(ctx.stream_completion(), streams)
+        outs = await self._collect(request, streams)
+        return JSONResponse(ctx.completion_response(outs))
+
+    async def _chat(self, request: Request) -> Response:
+        body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await request.body())
+        body.check()
+        self._check_model(body.model)
+        ids = self._chat_ids(body.messages, body.add_generation_prompt, body.continue_final_message,
+                             body.chat_template, body.chat_template_kwargs)
+        max_tokens = self._max_tokens(len(ids), body.requested_max_tokens(), "messages",
+                                      "max_completion_tokens" if body.max_completion_tokens is not None
+                                      else "max_tokens")
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        params = body.sampling_params(self.defaults, max_tokens, top, None, "top_logprobs")
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self._admit([(None, ids)], params, request_id)
+        ctx = _Ctx(self, request_id, "chat.completion", body, [(None, ids)], streams, top)
+        if body.stream:
+            return self._sse(ctx.stream_chat(), streams)
+        outs = await self._collect(request, streams)
+        return JSONResponse(ctx.chat_response(outs[0]))
+
+    async def _collect(self, request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
+        """Run every stream to its finished output; a client that disconnects aborts them all."""
+        async def last(stream: RequestStream) -> RequestOutput:
+            final = None
+            async for out in stream:
+                final = out
+            return final
+
+        task = asyncio.gather(*(last(s) for s in streams))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.5)
+                if done:
+                    outs = task.result()
+                    break
+                if await request.is_disconnected():
+                    logger.info("client went away; aborting its request")
+                    task.cancel()
+                    raise _ClientGone
+        finally:
+            for s in streams:
+                s.close()
+        for out in outs:
+            if any(c.finish_reason == "abort" for c in out.outputs):
+                raise RequestRejected("request", "the request could not be scheduled: it needs more KV cache "
+                                                 "than the engine has", status=503)
+        return outs
+
+    def _sse(self, events: AsyncIterator[dict[str, Any]], streams: list[RequestStream]) -> StreamingResponse:
+        async def body() -> AsyncIterator[str]:
+            try:
+                async for event in events:
+                    yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+            except (RequestRejected, EngineError) as exc:  # after the 200 went out: an error event
+                status = getattr(exc, "status", 500)
+                self.metrics.record_error(status)
+                body = error_body(status, str(exc), getattr(exc, "field", None))
+                yield f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+            finally:
+                await events.aclose()
+            yield "data: [DONE]\n\n"
+
+        released = []
+
+        def cleanup() -> None:
+            for s in streams:
+                s.close()
+            if not released:
+                released.append(True)
+                self._release()
+
+        return _SSEResponse(body(), cleanup)
+
+
+class _Ctx:
+    """One generation request's response building: ids, names, usage, logprobs, chunks."""
+
+    def __init__(self, server: OpenAIServer, request_id: str, obj: str, body: Any,
+                 prompts: list[tuple[str | None, list[int]]], streams: list[RequestStream],
+                 logprobs: int | None) -> None:
+        self.server, self.id, self.object, self.body = server, request_id, obj, body
+        self.prompts, self.streams, self.logprobs = prompts, streams, logprobs
+        self.created = int(time.time())
+        self.model = server.model_name
+        self.n = body.n
+
+    # -- pieces ----------------------------------------------------------------------------
+    def _usage(self, prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    def _completion_logprobs(self, lps: list[tuple[int, TokenLogprobs | None]], offset: int) -> dict[str, Any]:
+        """OpenAI's legacy logprobs object; (token id, logprobs) pairs, None for the first prompt token."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        pos = offset
+        tok = self.server._token_str
+        for token_id, lp in lps:
+            s = tok(token_id)
+            tokens.append(s)
+            offsets.append(pos)
+            pos += len(s)
+            if lp is None:
+                token_lps.append(None)
+                tops.append(None)
+                continue
+            token_lps.append(lp.logprob)
+            top = {tok(t): v for t, v in lp.top[: self.logprobs or 0]}
+            top.setdefault(s, lp.logprob)
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _chat_logprobs(self, lps: list[TokenLogprobs]) -> dict[str, Any]:
+        tok = self.server._token_str
+
+        def entry(t: int, v: float) -> dict[str, Any]:
+            s = tok(t)
+            return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
+
+        return {"content": [{**entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [entry(t, v) for t, v in lp.top[: self.logprobs or 0]]}
+                            for lp in lps]}
+
+    @staticmethod
+    def _prompt_pairs(out: RequestOutput) -> list[tuple[int, TokenLogprobs | None]]:
+        lps = list(out.prompt_logprobs or [])
+        lps += [None] * (len(out.prompt_token_ids) - len(lps))
+        return list(zip(out.prompt_token_ids, lps))
+
+    def _prompt_text(self, i: int) -> str:
+        text, ids = self.prompts[i]
+        return text if text is not None else self.server.engine.tokenizer.decode(ids, skip_special_tokens=False)
+
+    # -- whole responses -------------------------------------------------------------------
+    def completion_response(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for i, out in enumerate(outs):
+            prompt_tokens += len(out.prompt_token_ids)
+            prefix = self._prompt_text(i) if self.body.echo else ""
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                logprobs = None
+                if self.logprobs is not None:
+                    lps = self._prompt_pairs(out) if self.body.echo else []
+                    lps += [(lp.token_id, lp) for lp in c.logprobs or []]
+                    logprobs = self._completion_logprobs(lps, 0)
+                choices.append({"index": i * self.n + c.index, "text": prefix + c.text, "logprobs": logprobs,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": choices, "usage": self._usage(prompt_tokens, completion_tokens)}
+
+    def chat_response(self, out: RequestOutput) -> dict[str, Any]:
+        choices, completion_tokens = [], 0
+        prefix = self._echo_prefix()
+        for c in out.outputs:
+            completion_tokens += len(c.token_ids)
+            choices.append({"index": c.index, "message": {"role": "assistant", "content": prefix + c.text},
+                            "logprobs": self._chat_logprobs(c.logprobs or []) if self.logprobs is not None else None,
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": choices, "usage": self._usage(len(out.prompt_token_ids), completion_tokens)}
+
+    def _echo_prefix(self) -> str:
+        """vLLM's chat echo: the content of a final assistant message the answer continues."""
+        if not self.body.echo:
+            return ""
+        last = self.body.messages[-1]
+        if last.role != "assistant":
+            return ""
+        return last.as_template_message()["content"]
+
+    # -- streams ---------------------------------------------------------------------------
+    async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        if len(self.streams) == 1:
+            async for out in self.streams[0]:
+                yield 0, out
+            return
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, s: RequestStream) -> None:
+            try:
+                async for out in s:
+                    q.put_nowait((i, out))
+            except Exception as exc:
+                q.put_nowait((i, exc))
+            finally:
+                q.put_nowait((i, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await q.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            for s in self.streams:
+                s.close()
+
+    def _stream_opts(self) -> tuple[bool, bool]:
+        o = self.body.stream_options
+        return (bool(o and o.include_usage), bool(o and o.continuous_usage_stats))
+
+    def _chunk(self, obj: str, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict:
+        chunk = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            chunk["usage"] = usage
+        return chunk
+
+    async def stream_completion(self) -> AsyncIterator[dict[str, Any]]:
+        include_usage, continuous = self._stream_opts()
+        prompt_tokens = sum(len(ids) for _, ids in self.prompts)
+        generated: dict[int, int] = {}
+        sent_echo: set[int] = set()
+        offsets: dict[int, int] = {}
+        try:
+            async for i, out in self._merged():
+                for c in out.outputs:
+                    index = i * self.n + c.index
+                    text = c.delta_text
+                    lps = []
+                    if self.logprobs is not None:
+                        done = generated.get(index, 0)
+                        lps = [(lp.token_id, lp) for lp in (c.logprobs or [])[done:len(c.token_ids)]]
+                    if self.body.echo and index not in sent_echo:
+                        sent_echo.add(index)
+                        text = self._prompt_text(i) + text
+                        if self.logprobs is not None:
+                            lps = self._prompt_pairs(out) + lps
+                    generated[index] = len(c.token_ids)
+                    if not text and not c.finish_reason and not lps:
+                        continue
+                    logprobs = None
+                    if self.logprobs is not None:
+                        logprobs = self._completion_logprobs(lps, offsets.get(index, 0))
+                    offsets[index] = offsets.get(index, 0) + len(text)
+                    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                              "stop_reason": c.stop_reason}
+                    usage = self._usage(prompt_tokens, sum(generated.values())) if continuous else None
+                    yield self._chunk("text_completion", [choice], usage)
+        finally:
+            for s in self.streams:
+                s.close()
+        if include_usage:
+            yield self._chunk("text_completion", [], self._usage(prompt_tokens, sum(generated.values())))
+
+    async def stream_chat(self) -> AsyncIterator[dict[str, Any]]:
+        include_usage, continuous = self._stream_opts()
+        prompt_tokens = len(self.prompts[0][1])
+        generated: dict[int, int] = {}
+        for index in range(self.n):
+            first = {"role": "assistant", "content": self._echo_prefix()}
+            yield self._chunk("chat.completion.chunk", [{"index": index, "delta": first, "logprobs": None,
+                                                         "finish_reason": None}],
+                              self._usage(prompt_tokens, 0) if continuous else None)
+        try:
+            async for _, out in self._merged():
+                for c in out.outputs:
+                    done = generated.get(c.index, 0)
+                    lps = list((c.logprobs or [])[done:len(c.token_ids)]) if self.logprobs is not None else []
+                    generated[c.index] = len(c.token_ids)
+                    if not c.delta_text and not c.finish_reason and not lps:
+                        continue
+                    choice = {"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
+                              "logprobs": self._chat_logprobs(lps) if self.logprobs is not None else None,
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    usage = self._usage(prompt_tokens, sum(generated.values())) if continuous else None
+                    yield self._chunk("chat.completion.chunk", [choice], usage)
+        finally:
+            for s in self.streams:
+                s.close()
+        if include_usage:
+            yield self._chunk("chat.completion.chunk", [], self._usage(prompt_tokens, sum(generated.values())))
+
+
+def build_server(engine: LLMEngine, settings: ServerSettings) -> OpenAIServer:
+    return OpenAIServer(engine, settings)

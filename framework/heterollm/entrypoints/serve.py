@@ -1,0 +1,99 @@
+"""`heterollm serve`: load the model, then run the OpenAI-compatible server under uvicorn.
+
+SIGTERM or Ctrl-C: stop accepting connections, let in-flight requests finish for up to
+--timeout_graceful_shutdown seconds, stop the engine, exit 0.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+
+from heterollm.config import ConfigError, LoadedConfig
+from heterollm.config.base import FlagGroup, flag
+
+logger = logging.getLogger("heterollm.server")
+
+
+class ServeFlags(FlagGroup):
+    """Flags of `heterollm serve` (besides every launch flag)."""
+
+    api_key: str = flag("", "When set, every /v1 route needs 'Authorization: Bearer <key>' (401 otherwise); "
+                            "/health and /metrics stay open. Default: the HETEROLLM_API_KEY environment variable.")
+    timeout_graceful_shutdown: int = flag(30, "Seconds in-flight requests get to finish after SIGTERM before the "
+                                              "server closes them and exits.", ge=0)
+    uvicorn_log_level: str = flag("info", "uvicorn's log level (access log included at info).")
+
+
+def _check_port(host: str, port: int, flag_name: str) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise ConfigError(f"--{flag_name}: cannot listen on {host}:{port} ({exc.strerror})") from None
+
+
+def server_settings(loaded: LoadedConfig):
+    from heterollm.entrypoints.openai.server import ServerSettings
+
+    cfg = loaded.config
+    name = cfg.fastdeploy.served_model_name or cfg.model.model_id or cfg.model.model
+    api_key = loaded.extra.get("api_key") or os.environ.get("HETEROLLM_API_KEY") or None
+    waiting = cfg.fastdeploy.max_waiting_time
+    return ServerSettings(served_model_names=[name], model_root=cfg.model.model, api_key=api_key,
+                          max_concurrent_requests=cfg.server.max_concurrent_requests,
+                          max_waiting_time=float(waiting) if waiting >= 0 else None)
+
+
+def _graceful_server_class():
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn re-raises the signal that stopped it once shutdown is done, so the process would
+        die by SIGTERM (exit -15). A graceful shutdown is a success: forget the captured signal and
+        let `heterollm serve` return 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    self._captured_signals.clear()
+
+    return GracefulServer
+
+
+def run_serve(loaded: LoadedConfig) -> int:
+    import uvicorn
+    from prometheus_client import start_http_server
+
+    from heterollm.engine.llm_engine import LLMEngine
+    from heterollm.entrypoints.openai.server import OpenAIServer
+
+    cfg = loaded.config
+    host = cfg.server.host or "0.0.0.0"
+    port = cfg.server.port
+    _check_port(host, port, "port")
+    metrics_port = cfg.fastdeploy.metrics_port
+    if metrics_port is not None:
+        if metrics_port == port:
+            raise ConfigError(f"--metrics_port: {metrics_port} is also --port; /metrics is on the main port "
+                              "anyway, leave --metrics_port unset")
+        _check_port(host, metrics_port, "metrics_port")
+    settings = server_settings(loaded)
+    engine = LLMEngine(cfg)
+    server = OpenAIServer(engine, settings)
+    if metrics_port is not None:
+        start_http_server(metrics_port, addr=host, registry=server.metrics.registry)
+        logger.info("metrics on http://%s:%d/metrics", host, metrics_port)
+    idle = cfg.server.rpc_idle_timeout_s
+    config = uvicorn.Config(server.app, host=host, port=port, log_level=loaded.extra["uvicorn_log_level"],
+                            timeout_graceful_shutdown=loaded.extra["timeout_graceful_shutdown"],
+                            timeout_keep_alive=idle if idle > 0 else 24 * 3600)
+    logger.info("serving %s as %r on http://%s:%d (OpenAI API under /v1)", cfg.model.model,
+                settings.served_model_names[0], host, port)
+    _graceful_server_class()(config).run()
+    return 0

@@ -1,0 +1,87 @@
+"""`heterollm serve` as a user runs it: a subprocess on free ports, SIGTERM drains in-flight
+requests and exits 0, --metrics_port, HETEROLLM_API_KEY, and launch errors as one line + exit 2."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from conftest import free_port
+from helpers import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("serve-llama"), "llama", max_position_embeddings=4096)
+
+
+def _wait_health(proc: subprocess.Popen, url: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"serve exited early ({proc.returncode}): {proc.stderr.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("serve did not become healthy")
+
+
+def test_sigterm_drains_in_flight_then_exits_0(long_model):
+    port, metrics_port = free_port(), free_port()
+    env = {**os.environ, "HETEROLLM_API_KEY": "k1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "heterollm.entrypoints.cli", "serve", "--model", str(long_model), "--host=127.0.0.1",
+         f"--port={port}", f"--metrics_port={metrics_port}", "--dtype=float32", "--max_model_len=4096",
+         "--served_model_name=tiny", "--timeout_graceful_shutdown=60"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_health(proc, url)
+        auth = {"Authorization": "Bearer k1"}
+        assert httpx.get(url + "/v1/models").status_code == 401
+        assert httpx.get(url + "/v1/models", headers=auth).json()["data"][0]["id"] == "tiny"
+        assert "heterollm_kv_cache_usage_perc" in httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
+
+        body = {"model": "tiny", "prompt": "keep going", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.Client(timeout=60) as client, \
+                client.stream("POST", url + "/v1/completions", json=body, headers=auth) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            with pytest.raises(httpx.ConnectError):  # no new connections once draining
+                httpx.get(url + "/health", timeout=2)
+            rest = [line[6:] for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "[DONE]"
+        assert json.loads(rest[-2])["usage"]["completion_tokens"] == 400  # the request ran to its end
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_port_in_use_is_a_one_line_error(cli, long_model):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = cli("serve", "--model", str(long_model), "--host=127.0.0.1", f"--port={port}")
+    assert r.rc == 2 and f"--port: cannot listen on 127.0.0.1:{port}" in r.err and "Traceback" not in r.err
+
+
+@pytest.mark.parametrize("flag", ["--num_threads=4", "--max_reconnect_count=3", "--tool_call_parser=qwen3"])
+def test_flags_without_an_equivalent_fail_fast(cli, long_model, flag):
+    r = cli("serve", "--model", str(long_model), flag)
+    assert r.rc == 2 and flag in r.err and "Traceback" not in r.err
