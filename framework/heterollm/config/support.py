@@ -64,7 +64,7 @@ _planned("reasoning_parser tool_call_parser tool_parser_plugin", "tool calling /
 _planned("enable_qwen3_reranker", "reranking / embedding tasks")
 _planned("backend", "vlm and dit backends; --backend=llm is accepted", ok=("llm",))
 _planned("task", "embedding tasks; --task=generate is accepted", ok=("generate",))
-_planned("quantization revision load_choices dynamic_load_weight use_warmup",
+_planned("revision load_choices dynamic_load_weight use_warmup",
          "quantized execution / weight reloading (weights are dequantized on load)")
 _planned("kv_cache_ratio static_decode_blocks max_num_partial_prefills max_long_partial_prefills "
          "long_prefill_token_threshold prefill_scheduling_memory_usage_threshold", "scheduler policies issue")
@@ -90,7 +90,7 @@ _planned("enable_disagg_pd disagg_pd_port instance_role kv_cache_transfer_mode t
          "kv_push_dst_rotate splitwise_role innode_prefill_ports", "PD disaggregation")
 _planned("etcd_addr etcd_namespace enable_service_routing xservice_rpc_protocol xservice_address heart_beat_interval "
          "etcd_ttl", "service discovery")
-_planned("enable_profile_step_time enable_profile_token_budget enable_latency_aware_schedule "
+_planned("enable_profile_token_budget enable_latency_aware_schedule "
          "profile_max_prompt_length max_global_ttft_ms max_global_tpot_ms enable_profile_kv_blocks "
          "disable_ttft_profiling enable_online_profile profile_backend profile_dir", "profiling")
 _planned("indexer_cache_dtype max_linear_state_cache_slots phy_page_granularity_size enable_dsa_multi_stream",

@@ -11,6 +11,8 @@ from typing import Any
 from heterollm.config import HeterollmConfig
 from heterollm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from heterollm.engine.request import Request, RequestRejected
+from heterollm.engine.step_profiler import StepProfiler
+from heterollm.interfaces import RunnerOutput, SchedulerOutput
 from heterollm.kv_cache import KVCacheManager
 from heterollm.model_executor.loader import resolve_model
 from heterollm.model_executor.runner import LaunchContext, resolve_dtype
@@ -86,6 +88,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv, max_len)
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, tuple[_Parent, _Child]] = {}
+        self.profiler = StepProfiler() if config.profile.enable_profile_step_time else None
 
     # -- requests --------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
@@ -157,6 +160,7 @@ class LLMEngine:
 
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         so = self.scheduler.schedule()
         if not so.requests:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -166,7 +170,16 @@ class LLMEngine:
                 self.scheduler.finish(stuck.request_id, "abort")
                 return self._outputs({self._children[stuck.request_id][0].request_id})
             return []
+        t1 = time.perf_counter()
         result = self.executor.execute(so)
+        t2 = time.perf_counter()
+        outputs = self._process(so, result)
+        if self.profiler is not None:
+            self.profiler.record(len(so.requests), so.num_tokens, t1 - t0, result.timings, time.perf_counter() - t2)
+        return outputs
+
+    def _process(self, so: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        """Apply a step's results: scheduler update, tokens to text, stop checks, outputs."""
         changed = self.scheduler.update(so, result)
         touched: set[str] = set()
         now = time.monotonic()
@@ -261,4 +274,6 @@ class LLMEngine:
                              first.prompt_logprobs if parent.params.prompt_logprobs is not None else None)
 
     def shutdown(self) -> None:
+        if self.profiler is not None:
+            self.profiler.flush()
         self.executor.shutdown()

@@ -58,3 +58,6 @@ class RunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs] | None]
     prompt_logprobs: list[list[TokenLogprobs | None] | None]
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds spent in this step's phases on the worker ("prepare", "forward", "sample"), for
+    --enable_profile_step_time."""

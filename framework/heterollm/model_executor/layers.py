@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from heterollm.model_executor import ops
+from heterollm.model_executor.linear_method import LinearBase
 from heterollm.model_executor.parallel import ParallelContext
 
 
@@ -30,7 +31,7 @@ def _shard_loader(dim: int, pctx: ParallelContext):
     return load
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(LinearBase):
     """y = x W^T + b with W split by output rows; the output stays sharded."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, pctx: ParallelContext) -> None:
@@ -44,10 +45,10 @@ class ColumnParallelLinear(nn.Module):
             self.bias.weight_loader = _shard_loader(0, pctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
-class MergedColumnParallelLinear(nn.Module):
+class MergedColumnParallelLinear(LinearBase):
     """Several column-parallel projections of the same input in one GEMM (q/k/v, gate/up).
 
     The checkpoint keeps them apart; `weight_loader(param, tensor, shard)` writes part `shard`
@@ -76,10 +77,10 @@ class MergedColumnParallelLinear(nn.Module):
         _copy(param.data.narrow(0, self.offsets[shard], size), part)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return nn.functional.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return self.matmul(x, self.bias).split(self.sizes, dim=-1)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(LinearBase):
     """W split by input columns; partial outputs are summed across ranks."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, pctx: ParallelContext) -> None:
@@ -94,7 +95,7 @@ class RowParallelLinear(nn.Module):
             self.bias.weight_loader = _copy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.pctx.all_reduce(nn.functional.linear(x, self.weight))
+        y = self.pctx.all_reduce(self.matmul(x, None))
         return y if self.bias is None else y + self.bias
 
 
@@ -122,9 +123,12 @@ class VocabParallelEmbedding(nn.Module):
         return self.pctx.all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding, LinearBase):
+    """The output projection; with tied embeddings it shares the embedding's weight (which the
+    linear method then leaves in place for the lookup)."""
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = nn.functional.linear(hidden, self.weight)
+        out = self.matmul(hidden, None)
         if self.pctx.tp_size > 1:
             out = self.pctx.all_gather(out, -1)
         return out[..., : self.vocab_size]

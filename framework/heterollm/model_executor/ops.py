@@ -1,8 +1,9 @@
 """The sanctioned override points: small ops that vendors commonly replace with a fused kernel.
 
 Layers call `ops.get(name)`; a backend family registers its own implementation with
-`@register("rms_norm", family="npu")`, and the model runner activates the selected family once
-(`activate(family)`). No monkey-patching of the core."""
+`@register("rms_norm", family="npu")`, and the model runner activates the selected family, then
+the platform's default family, once (`activate(family, platform.default_impl)`). No
+monkey-patching of the core."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -24,13 +25,17 @@ def register(name: str, family: str = DEFAULT) -> Callable[[Callable], Callable]
     return deco
 
 
-def activate(family: str) -> dict[str, str]:
-    """Use `family`'s implementation of each op where it has one; returns op -> family chosen."""
+def activate(*families: str) -> dict[str, str]:
+    """Use, for each op, the first of `families` that implements it (then the torch default); an
+    op with none of them (a backend-only op such as a quantized GEMM) becomes unavailable.
+    Returns op -> family chosen."""
     chosen = {}
+    _ACTIVE.clear()
     for name, impls in _IMPLS.items():
-        fam = family if family in impls else DEFAULT
-        _ACTIVE[name] = impls[fam]
-        chosen[name] = fam
+        fam = next((f for f in (*families, DEFAULT) if f in impls), None)
+        if fam is not None:
+            _ACTIVE[name] = impls[fam]
+            chosen[name] = fam
     return chosen
 
 
@@ -58,3 +63,11 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     c, s = cos.unsqueeze(1), sin.unsqueeze(1)
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def has(name: str) -> bool:
+    return name in _ACTIVE
+
+
+def names() -> list[str]:
+    return sorted(_ACTIVE)

@@ -14,6 +14,7 @@ from heterollm.config import ConfigError, HeterollmConfig
 from heterollm.interfaces import AttentionInputs, RunnerOutput, SchedulerOutput, TokenLogprobs
 from heterollm.model_executor import ops
 from heterollm.model_executor.layers import ForwardContext
+from heterollm.model_executor.linear_method import model_bytes, prepare_linears, select_linear_method
 from heterollm.model_executor.loader import ModelSource, iter_weights
 from heterollm.model_executor.parallel import ParallelContext
 from heterollm.model_executor.registry import get_model_class
@@ -73,7 +74,11 @@ class ModelRunner:
 
     # -- set-up ----------------------------------------------------------------------------
     def load_model(self) -> None:
-        ops.activate(self.launch.selection.family)
+        ops.activate(self.launch.selection.family, self.platform.default_impl)
+        try:
+            method = select_linear_method(self.config.fastdeploy.quantization)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         self.free_before_load = self.platform.memory_info()[0]
         cls = get_model_class(self.source.architectures, str(self.source.gguf_file or self.source.folder))
         started = time.perf_counter()
@@ -99,10 +104,15 @@ class ModelRunner:
         if missing:
             shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
             raise ConfigError(f"--model: {where} is missing weights: {shown} (truncated or incomplete checkpoint?)")
+        try:
+            prepare_linears(model, method)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         self.model = model.eval()
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
-        logger.info("loaded %s (%s, %.1f MiB of weights, %s) in %.1fs", type(model).__name__, where,
-                    self.weight_bytes / 2**20, str(self.dtype).removeprefix("torch."), time.perf_counter() - started)
+        self.weight_bytes = model_bytes(model)
+        logger.info("loaded %s (%s, %.1f MiB of weights, %s%s) in %.1fs", type(model).__name__, where,
+                    self.weight_bytes / 2**20, str(self.dtype).removeprefix("torch."),
+                    f", linear method {method.name}" if method else "", time.perf_counter() - started)
 
     def kv_bytes_per_block(self) -> int:
         layers, kv_heads, head_dim = self.model.kv_geometry
@@ -170,6 +180,28 @@ class ModelRunner:
         reqs = so.requests
         if not reqs:
             return RunnerOutput([], [], [], [])
+        t0 = time.perf_counter()
+        input_ids, positions, ctx, query_lens = self._prepare(reqs)
+        t1 = time.perf_counter()
+        hidden = self.graph_runner.run(self._forward, input_ids=input_ids, positions=positions, ctx=ctx)
+        t2 = time.perf_counter()
+        ends = torch.tensor(query_lens).cumsum(0).tolist()
+        sampled = self._sample(reqs, hidden, ends)
+        prompt_lps: list[list[TokenLogprobs | None] | None] = [None] * len(reqs)
+        for i, r in enumerate(reqs):
+            if r.want_prompt_logprobs:
+                prompt_lps[i] = self._prompt_logprobs(r, hidden[ends[i] - len(r.new_token_ids):ends[i]])
+        t3 = time.perf_counter()
+        return RunnerOutput(
+            request_ids=[r.request_id for r in reqs],
+            sampled_token_ids=[[sampled[i][0]] if i in sampled else [] for i in range(len(reqs))],
+            logprobs=[[sampled[i][1]] if i in sampled and sampled[i][1] is not None else None
+                      for i in range(len(reqs))],
+            prompt_logprobs=prompt_lps,
+            timings={"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2})
+
+    def _prepare(self, reqs: list[Any]) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
+        """Flatten the step's new tokens and build the attention metadata."""
         ids: list[int] = []
         positions: list[int] = []
         for r in reqs:
@@ -180,31 +212,20 @@ class ModelRunner:
                                  block_tables=[r.block_ids for r in reqs], block_size=self.block_size)
         meta = self.attn_backend.build_metadata(inputs, self.device)
         ctx = ForwardContext(self.attn_backend, meta, self.kv_caches)
-        hidden = self.graph_runner.run(self._forward, input_ids=torch.tensor(ids, device=self.device),
-                                       positions=torch.tensor(positions, device=self.device), ctx=ctx)
-        ends = torch.tensor(inputs.query_lens).cumsum(0).tolist()
+        return (torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), ctx,
+                inputs.query_lens)
 
+    def _sample(self, reqs: list[Any], hidden: torch.Tensor, ends: list[int]) -> dict[int, tuple[int, Any]]:
+        """Sample the requests that finish their step's tokens: batch index -> (token, logprobs)."""
         sample_idx = [i for i, r in enumerate(reqs) if r.sample]
-        sampled: dict[int, tuple[int, TokenLogprobs | None]] = {}
-        if sample_idx:
-            rows_h = hidden[torch.tensor([ends[i] - 1 for i in sample_idx], device=self.device)]
-            logits = self.model.compute_logits(rows_h)
-            rows = [SamplingRow(reqs[i].sampling.params, self._generator(reqs[i]), reqs[i].prompt_token_ids,
-                                reqs[i].output_token_ids) for i in sample_idx]
-            tokens, lps = self.sampler(logits, rows)
-            sampled = {i: (t, lp) for i, t, lp in zip(sample_idx, tokens, lps)}
-
-        prompt_lps: list[list[TokenLogprobs | None] | None] = [None] * len(reqs)
-        for i, r in enumerate(reqs):
-            if r.want_prompt_logprobs:
-                prompt_lps[i] = self._prompt_logprobs(r, hidden[ends[i] - len(r.new_token_ids):ends[i]])
-
-        return RunnerOutput(
-            request_ids=[r.request_id for r in reqs],
-            sampled_token_ids=[[sampled[i][0]] if i in sampled else [] for i in range(len(reqs))],
-            logprobs=[[sampled[i][1]] if i in sampled and sampled[i][1] is not None else None
-                      for i in range(len(reqs))],
-            prompt_logprobs=prompt_lps)
+        if not sample_idx:
+            return {}
+        rows_h = hidden[torch.tensor([ends[i] - 1 for i in sample_idx], device=self.device)]
+        logits = self.model.compute_logits(rows_h)
+        rows = [SamplingRow(reqs[i].sampling.params, self._generator(reqs[i]), reqs[i].prompt_token_ids,
+                            reqs[i].output_token_ids) for i in sample_idx]
+        tokens, lps = self.sampler(logits, rows)
+        return {i: (t, lp) for i, t, lp in zip(sample_idx, tokens, lps)}
 
     def _prompt_logprobs(self, r: Any, hidden: torch.Tensor) -> list[TokenLogprobs | None]:
         """Logprobs of prompt tokens start+1 .. end (position j predicts token j + 1)."""

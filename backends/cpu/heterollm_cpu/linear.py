@@ -1,0 +1,88 @@
+"""CPU linear methods (op registry `linear.*`, family `cpu`).
+
+- `linear.none`: bf16/fp32 weights reordered once into oneDNN's blocked layout, multiplied with
+  `mkldnn._linear_pointwise` (what torch.compile's CPU backend does with frozen weights). Measured
+  on a 2-core AVX-512-bf16 machine: 1.1-1.4x faster than `F.linear` at 64 rows, up to 2.5x at 1
+  row, because `F.linear` re-packs the weight on every call.
+- `linear.wint8` (`--quantization wint8`): symmetric int8 per output channel,
+  `torch._weight_int8pack_mm`.
+- `linear.wint4` (`--quantization wint4`): asymmetric 4-bit in groups of 32 input features
+  (scale and minimum per group, like GGUF's Q4_1), `torch._weight_int4pack_mm_for_cpu`.
+Both quantize the loaded bf16/fp32 weights at start-up. They read 2x / 4x fewer weight bytes,
+which pays at small batches (single-stream decode); torch's int kernels are slower than the bf16
+GEMM at tens of rows, so they are not the throughput setting."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from heterollm.model_executor import ops
+from heterollm.model_executor.linear_method import LinearMethod
+
+# oneDNN picks its blocked layout for a batch-size hint; measured best overall: 1 for bf16, 64 for fp32
+_PACK_HINT = {torch.bfloat16: 1, torch.float32: 64}
+
+
+class OneDnnLinear(LinearMethod):
+    name = "onednn"
+
+    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+        if weight.dtype not in _PACK_HINT or not torch.backends.mkldnn.is_available():
+            return weight  # fp16 and builds without oneDNN keep F.linear
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_HINT[weight.dtype])
+
+    def apply(self, state: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if state.is_mkldnn:
+            return torch.ops.mkldnn._linear_pointwise(x, state, bias, "none", [], "")
+        return F.linear(x, state, bias)
+
+
+class WeightOnlyInt8(LinearMethod):
+    name = "wint8"
+
+    def prepare(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w = weight.float()
+        scale = w.abs().amax(1).clamp(min=1e-12) / 127
+        codes = (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        return codes.contiguous(), scale.to(weight.dtype)
+
+    def apply(self, state: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        codes, scale = state
+        y = torch._weight_int8pack_mm(x.contiguous(), codes, scale)
+        return y if bias is None else y + bias
+
+
+class WeightOnlyInt4(LinearMethod):
+    name = "wint4"
+    group_size = 32
+
+    def prepare(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        n, k = weight.shape
+        gs = self.group_size
+        if k % gs:
+            raise ValueError(f"--quantization=wint4: in_features {k} is not a multiple of the group size {gs}")
+        w = weight.float().view(n, k // gs, gs)
+        low, high = w.amin(-1), w.amax(-1)
+        scale = ((high - low) / 15).clamp(min=1e-12)
+        codes = ((w - low[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.int32).view(n, k)
+        packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+        # the kernel computes (code - 8) * scale + zero, so zero = low + 8 * scale
+        scales_and_zeros = torch.stack([scale.t(), (low + 8 * scale).t()], -1).contiguous()  # (k / gs, n, 2)
+        return packed, scales_and_zeros.to(weight.dtype), gs
+
+    def apply(self, state: tuple[torch.Tensor, torch.Tensor, int], x: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        packed, scales_and_zeros, gs = state
+        y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), packed, gs, scales_and_zeros)
+        return y if bias is None else y + bias
+
+
+def register() -> None:
+    for name, cls in (("none", OneDnnLinear), ("wint8", WeightOnlyInt8), ("wint4", WeightOnlyInt4)):
+        ops.register(f"linear.{name}", family="cpu")(cls)
+
+
+register()
