@@ -11,6 +11,13 @@ from pathlib import Path
 import pytest
 
 
+def pytest_configure(config):
+    """Converted model metadata goes to a per-run folder, not the user's cache (tests stay hermetic;
+    subprocesses inherit it)."""
+    import tempfile
+    os.environ.setdefault("HETEROLLM_CACHE_DIR", tempfile.mkdtemp(prefix="heterollm-test-cache-"))
+
+
 @dataclass
 class CliResult:
     rc: int

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import socket
 
+from heterollm import envs
 from heterollm.config import ConfigError, LoadedConfig
 from heterollm.config.base import FlagGroup, flag
 
@@ -40,7 +40,7 @@ def server_settings(loaded: LoadedConfig):
 
     cfg = loaded.config
     name = cfg.fastdeploy.served_model_name or cfg.model.model_id or cfg.model.model
-    api_key = loaded.extra.get("api_key") or os.environ.get("HETEROLLM_API_KEY") or None
+    api_key = loaded.extra.get("api_key") or envs.api_key()
     waiting = cfg.fastdeploy.max_waiting_time
     return ServerSettings(served_model_names=[name], model_root=cfg.model.model, api_key=api_key,
                           max_concurrent_requests=cfg.server.max_concurrent_requests,

@@ -55,7 +55,8 @@ def load_tokenizer(source: Path, gguf_file: Path | None, tokenizer_override: str
         if tokenizer_override:
             hf = AutoTokenizer.from_pretrained(tokenizer_override)
         elif gguf_file is not None:
-            hf = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+            from heterollm.model_executor import gguf_cache
+            hf = gguf_cache.load_tokenizer(gguf_file)
         else:
             hf = AutoTokenizer.from_pretrained(str(source))
     except (OSError, ValueError) as exc:

@@ -1,0 +1,20 @@
+"""Every environment variable heterollm reads, in one place."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def api_key() -> str | None:
+    """HETEROLLM_API_KEY: the server's API key when --api_key is not given."""
+    return os.environ.get("HETEROLLM_API_KEY") or None
+
+
+def cache_dir() -> Path:
+    """HETEROLLM_CACHE_DIR (default $XDG_CACHE_HOME/heterollm, else ~/.cache/heterollm): where
+    converted model metadata is kept between starts."""
+    explicit = os.environ.get("HETEROLLM_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "heterollm"
