@@ -106,6 +106,20 @@ def summarize(name: str, results: list[Result], wall: float) -> dict[str, float]
     }
 
 
+def memory_of(pid: int) -> dict[str, float]:
+    """Resident and peak resident memory (MiB) of a local process, from /proc."""
+    out = {}
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    out[key] = int(rest.split()[0]) / 1024
+    except OSError:
+        pass
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -151,6 +165,9 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="repeat the load on the started server this many times, printing its RSS after each "
+                         "(a soak test: RSS should level off, not grow)")
     ap.add_argument("--json", help="also write the figures to this file")
     ap.add_argument("serve_flags", nargs="*", help="extra `heterollm serve` flags, after --")
     args = ap.parse_args()
@@ -174,10 +191,21 @@ def main() -> None:
         targets.append((peer_label or peer_url, peer_url, served_name(peer_url, headers)))
 
     report = {}
+    memory = {}
     try:
         for tlabel, turl, tname in targets:
+            if proc is not None and tlabel == label:
+                memory["before"] = memory_of(proc.pid)
             results, wall = asyncio.run(run_load(turl, tname, prompts, args.output_len, args.concurrency, headers))
             report[tlabel] = summarize(tlabel, results, wall)
+            if proc is not None and tlabel == label:
+                memory["after"] = memory_of(proc.pid)
+                memory["rounds"] = [memory["after"].get("VmRSS", 0)]
+                for i in range(1, args.rounds):
+                    asyncio.run(run_load(turl, tname, prompts, args.output_len, args.concurrency, headers))
+                    memory["rounds"].append(memory_of(proc.pid).get("VmRSS", 0))
+                    print(f"round {i + 1}/{args.rounds}: server RSS {memory['rounds'][-1]:.0f} MiB", file=sys.stderr)
+                memory["after"] = memory_of(proc.pid)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
@@ -195,9 +223,13 @@ def main() -> None:
             ratios = {k: base[k] / fig[k] if fig[k] else float("nan") for k in keys}
             print(f"{'ratio/' + tlabel:<12}" + "".join(f"{ratios[k]:>20.2f}" for k in keys))
         print("(throughput ratios > 1 and latency ratios < 1 favour the first row)")
+    if memory.get("after"):
+        b, a = memory.get("before", {}), memory["after"]
+        print(f"heterollm server memory: RSS {b.get('VmRSS', 0):.0f} MiB before the load, {a.get('VmRSS', 0):.0f} "
+              f"MiB after; peak RSS {a.get('VmHWM', 0):.0f} MiB (weights and KV cache size: see the server log)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": report}, f, indent=2)
+            json.dump({"args": vars(args), "results": report, "memory_mib": memory}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,11 @@ def api_key() -> str | None:
     return os.environ.get("HETEROLLM_API_KEY") or None
 
 
+def omp_num_threads() -> str | None:
+    """OMP_NUM_THREADS, when the user fixed torch's intra-op thread count."""
+    return os.environ.get("OMP_NUM_THREADS") or None
+
+
 def cache_dir() -> Path:
     """HETEROLLM_CACHE_DIR (default $XDG_CACHE_HOME/heterollm, else ~/.cache/heterollm): where
     converted model metadata is kept between starts."""

@@ -85,3 +85,23 @@ def test_port_in_use_is_a_one_line_error(cli, long_model):
 def test_flags_without_an_equivalent_fail_fast(cli, long_model, flag):
     r = cli("serve", "--model", str(long_model), flag)
     assert r.rc == 2 and flag in r.err and "Traceback" not in r.err
+
+
+def test_serve_leaves_a_core_for_the_http_loop(monkeypatch):
+    import torch
+
+    from heterollm.entrypoints.serve import leave_a_core_for_the_server
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        leave_a_core_for_the_server()
+        assert torch.get_num_threads() == 2  # the user's choice stands
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        leave_a_core_for_the_server()
+        assert torch.get_num_threads() == 1
+        leave_a_core_for_the_server()
+        assert torch.get_num_threads() == 1  # never below one
+    finally:
+        torch.set_num_threads(before)

@@ -77,7 +77,10 @@ class LLMEngine:
                            capacity, max_len)
             max_len = capacity
         self.executor.initialize_cache(num_blocks)
-        logger.info("KV cache: %d blocks of %d slots = %d tokens", num_blocks, block_size, capacity)
+        per_block = getattr(self.executor, "kv_bytes_per_block", None)  # optional: executors that can tell
+        logger.info("KV cache: %d blocks of %d slots = %d tokens%s", num_blocks, block_size, capacity,
+                    f" ({num_blocks * per_block() / 2**20:.1f} MiB reserved, committed as blocks fill)"
+                    if per_block else "")
         self.num_blocks = num_blocks
         self.max_model_len = max_len
         self.tokenizer = load_tokenizer(self.source.folder, self.source.gguf_file, config.fastdeploy.tokenizer,
