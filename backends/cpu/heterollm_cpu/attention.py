@@ -107,6 +107,8 @@ class CpuPagedAttention(AttentionBackend):
                                                                  key.transpose(0, 1).to(kv_cache.dtype))
         kv_cache[1].view(num_kv_heads, -1, head_dim).index_copy_(1, metadata.slot_mapping,
                                                                  value.transpose(0, 1).to(kv_cache.dtype))
+        if metadata.decode_rows is not None and not metadata.prefills:  # decode-only step: no scatter back
+            return self._decode(query, kv_cache, metadata.decode_blocks, metadata.decode_bias, scale)
         out = torch.empty_like(query)
         if metadata.decode_rows is not None:
             rows = metadata.decode_rows
@@ -134,7 +136,7 @@ class CpuPagedAttention(AttentionBackend):
         b = query.shape[0]
         k = kv_cache[0].index_select(1, blocks).view(num_kv_heads, b, -1, head_dim)  # (KV, B, L, D)
         v = kv_cache[1].index_select(1, blocks).view(num_kv_heads, b, -1, head_dim)
-        q = query.view(b, num_kv_heads, -1, head_dim).transpose(0, 1).to(k.dtype)  # (KV, B, G, D)
+        q = query.reshape(b, num_kv_heads, -1, head_dim).transpose(0, 1).to(k.dtype)  # (KV, B, G, D)
         scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale).add_(bias)  # (KV, B, G, L)
         probs = scores.softmax(-1).to(v.dtype)
         return torch.matmul(probs, v).transpose(0, 1).reshape(b, -1, head_dim).to(query.dtype)

@@ -169,10 +169,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
         self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos[positions], self.sin[positions]
-        rope = ops.get("rotary_embedding")
-        return rope(q, cos, sin), rope(k, cos, sin)
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) rows for a step's positions, each (tokens, head_dim // 2); looked up once per
+        step and shared by every layer."""
+        return self.cos[positions], self.sin[positions]
+
+    @staticmethod
+    def apply(rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """x: (tokens, heads, head_dim); q and k heads may come in one tensor."""
+        return ops.get("rotary_embedding")(x, *rope)
 
 
 @dataclass

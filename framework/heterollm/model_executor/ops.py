@@ -60,9 +60,10 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (tokens, heads, head_dim); cos/sin: (tokens, head_dim // 2). Neox (rotate-half) layout."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    x32 = x.float()
+    x1, x2 = x32[..., :half], x32[..., half:]
     c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+    return torch.cat(((x1 * c).addcmul_(x2, s, value=-1), (x2 * c).addcmul_(x1, s)), dim=-1).to(x.dtype)
 
 
 def has(name: str) -> bool:

@@ -33,15 +33,17 @@ class DecoderAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x)
-        q = q.reshape(n, self.num_heads, self.head_dim)
-        k = k.reshape(n, self.num_kv_heads, self.head_dim)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj.matmul(x, self.qkv_proj.bias)  # (n, (h + 2 kv) d)
+        v = qkv[:, (h + kv) * d:].view(n, kv, d)
+        if self.q_norm is None:  # q and k sit side by side: rotate all their heads in one call
+            qk = self.rotary.apply(rope, qkv[:, :(h + kv) * d].view(n, h + kv, d))
+            q, k = qk[:, :h], qk[:, h:]
+        else:
+            q = self.rotary.apply(rope, self.q_norm(qkv[:, :h * d].view(n, h, d)))
+            k = self.rotary.apply(rope, self.k_norm(qkv[:, h * d:(h + kv) * d].view(n, kv, d)))
         out = self.attn(q, k, v, ctx)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
@@ -69,8 +71,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -88,8 +90,9 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.lookup(positions)
         for layer in self.layers:
-            x = layer(positions, x, ctx)
+            x = layer(rope, x, ctx)
         return self.norm(x)
 
 
