@@ -102,3 +102,21 @@ def test_preemption_frees_and_recomputes():
     assert s.num_preemptions == 1 and len(step) == 1
     victim = next(r for r in s.requests.values() if r.num_preemptions)
     assert victim.num_computed_tokens == 0 and victim.output_token_ids == [5, 5]  # kept; KV recomputed
+
+
+def test_block_pool_reuses_recently_freed_blocks():
+    """A stream of requests keeps landing on the same few blocks (the committed pages), instead
+    of walking the whole reserved cache."""
+    from heterollm.kv_cache import KVCacheManager
+
+    kv = KVCacheManager(num_blocks=1000, block_size=16)
+    used: set[int] = set()
+    for i in range(200):
+        rid = f"r{i}"
+        used.update(kv.allocate(rid, 40 + i % 7))
+        if i % 2:
+            kv.free(f"r{i - 1}")
+            kv.free(rid)
+    assert kv.num_free_blocks == 1000
+    assert len(used) <= 8
+    assert sorted(kv.allocate("x", 16 * 5)) == [0, 1, 2, 3, 4]

@@ -6,15 +6,18 @@ all of a request's blocks; `trim` gives back tail blocks (speculative decoding's
 """
 from __future__ import annotations
 
-from collections import deque
-
 
 class BlockPool:
+    """Free blocks as a stack: the most recently freed blocks are handed out first. A cache that
+    is reserved but committed page by page (the CPU backend's) then keeps its resident memory at
+    the working set; a FIFO pool would walk every block of the reservation over time (measured:
+    +180 MiB of server RSS per round of 32 requests, without end)."""
+
     def __init__(self, num_blocks: int) -> None:
         if num_blocks <= 0:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # block 0 on top
 
     @property
     def num_free(self) -> int:
@@ -23,10 +26,10 @@ class BlockPool:
     def take(self, n: int) -> list[int]:
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} blocks, {len(self._free)} free")
-        return [self._free.popleft() for _ in range(n)]
+        return [self._free.pop() for _ in range(n)]
 
     def give_back(self, blocks: list[int]) -> None:
-        self._free.extend(blocks)
+        self._free.extend(reversed(blocks))
 
 
 class KVCacheManager:
