@@ -115,16 +115,15 @@ class CpuPagedAttention(AttentionBackend):
             out[rows] = self._decode(query[rows], kv_cache, metadata.decode_blocks, metadata.decode_bias, scale)
         for s, e, blocks, mask in metadata.prefills:
             q = query[s:e].transpose(0, 1).unsqueeze(0)  # (1, H, q, D)
-            if blocks is None:
+            if blocks is None:  # no cached context: the chunk's own K/V, plain causal
                 k, v = key[s:e].transpose(0, 1), value[s:e].transpose(0, 1)
-                o = F.scaled_dot_product_attention(q, k.unsqueeze(0).to(q.dtype), v.unsqueeze(0).to(q.dtype),
-                                                   is_causal=True, scale=scale, enable_gqa=True)
             else:
                 total = mask.shape[1]
                 k = kv_cache[0].index_select(1, blocks).view(num_kv_heads, -1, head_dim)[:, :total]
                 v = kv_cache[1].index_select(1, blocks).view(num_kv_heads, -1, head_dim)[:, :total]
-                o = F.scaled_dot_product_attention(q, k.unsqueeze(0).to(q.dtype), v.unsqueeze(0).to(q.dtype),
-                                                   attn_mask=mask, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(q, k.unsqueeze(0).to(q.dtype), v.unsqueeze(0).to(q.dtype),
+                                               attn_mask=mask, is_causal=blocks is None, scale=scale,
+                                               enable_gqa=True)
             out[s:e] = o.squeeze(0).transpose(0, 1)
         return out
 

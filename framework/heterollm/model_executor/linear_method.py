@@ -49,6 +49,10 @@ class LinearBase(nn.Module):
         return self.method.apply(self.state, x, bias)
 
 
+# the torch default for unquantized weights: no method, plain F.linear
+ops.register("linear.none")(None)
+
+
 def select_linear_method(quantization: str | None) -> LinearMethod | None:
     """The active family's method for `quantization` (None: unquantized); None means plain
     F.linear. Raises ValueError naming what the platform offers when it has no such method."""
@@ -79,18 +83,14 @@ def prepare_linears(model: nn.Module, method: LinearMethod | None) -> int:
     return len(layers)
 
 
-
-
 def state_bytes(state: Any) -> int:
-    """Bytes held by a prepared state: a tensor, or a tuple/list/dict of tensors."""
+    """Bytes held by a prepared state: a tensor, or a tuple of tensors (and plain numbers)."""
     if isinstance(state, torch.Tensor):
         if state.is_mkldnn:  # opaque prepacked layout: its logical size is the best estimate
             return state.numel() * state.element_size()
         return state.untyped_storage().nbytes()
     if isinstance(state, (tuple, list)):
         return sum(state_bytes(s) for s in state)
-    if isinstance(state, dict):
-        return sum(state_bytes(s) for s in state.values())
     return 0
 
 
@@ -99,4 +99,3 @@ def model_bytes(model: nn.Module) -> int:
     params = {id(p): p for p in model.parameters()}.values()
     total = sum(p.numel() * p.element_size() for p in params)
     return total + sum(state_bytes(m.state) for m in model.modules() if isinstance(m, LinearBase))
-ops.register("linear.none")(None)
