@@ -207,3 +207,24 @@ def metric(text: str, name: str) -> float:
         if line.startswith(name + "{") or line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} not in /metrics")
+
+
+def test_cached_tokens_in_usage_and_prefix_cache_metrics(http, client):
+    system = "You are a careful assistant who answers briefly and never repeats the question. " * 3
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Name a colour."}]
+    before = metric(http.get("/metrics").text, "heterollm_prefix_cache_hits_total")
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    messages[1]["content"] = "Name a fruit."
+    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 40 and cached % 8 == 0 and cached < second.usage.prompt_tokens
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    last = list(stream)[-1]
+    assert last.usage.prompt_tokens_details.cached_tokens >= cached
+    text = http.get("/metrics").text
+    assert metric(text, "heterollm_prefix_cache_hits_total") - before >= 2 * cached
+    assert metric(text, "heterollm_prefix_cache_queries_total") >= metric(text, "heterollm_prefix_cache_hits_total")
+    assert 0 < metric(text, "heterollm_prefix_cache_hit_rate") <= 1
+    assert metric(text, "heterollm_prefix_cache_blocks") >= 5

@@ -41,6 +41,9 @@ class CpuPlatform(Platform):
     device_type = "cpu"
     dist_backend = "gloo"
     default_impl = "cpu"
+    idle_kv_budget_bytes = 1 << 30
+    """The default KV reservation is most of RAM but committed page by page: cached prefixes keep at
+    most 1 GiB of it beyond the working set, unless the user sizes the cache."""
 
     def is_available(self) -> bool:
         return True

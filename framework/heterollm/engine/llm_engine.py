@@ -87,8 +87,19 @@ class LLMEngine:
                                         self.source.eos_token_ids, config.fastdeploy.chat_template)
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self.vocab_size = hf.vocab_size
-        self.kv = KVCacheManager(num_blocks, block_size)
-        self.scheduler = Scheduler(config.scheduler, self.kv, max_len)
+        kvc = config.kv_cache
+        idle_limit = None
+        idle_bytes = self.selection.platform.idle_kv_budget_bytes
+        if idle_bytes is not None and per_block and not (kvc.max_cache_size or config.fastdeploy.num_gpu_blocks_override):
+            idle_limit = max(1, idle_bytes // per_block())
+            if kvc.enable_prefix_cache and idle_limit < num_blocks:
+                logger.info("prefix cache: at most %d freed blocks (%.0f MiB) stay cached beyond the working set; "
+                            "--max_cache_size lets it use the whole cache", idle_limit, idle_bytes / 2**20)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_cache=kvc.enable_prefix_cache,
+                                 hash_seed=kvc.xxh3_128bits_seed, record_events=bool(kvc.kv_events_config),
+                                 idle_limit=idle_limit)
+        self.scheduler = Scheduler(config.scheduler, self.kv, max_len,
+                                   in_batch_prefix_cache=kvc.enable_prefix_cache and kvc.enable_in_batch_prefix_cache)
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, tuple[_Parent, _Child]] = {}
         self.profiler = StepProfiler() if config.profile.enable_profile_step_time else None
@@ -271,7 +282,8 @@ class LLMEngine:
             finished_time=max(finished_times) if parent.finished and finished_times else None,
             num_prompt_tokens=len(parent.prompt_token_ids),
             num_generated_tokens=sum(len(c.request.output_token_ids) for c in parent.children),
-            num_preemptions=sum(c.request.num_preemptions for c in parent.children))
+            num_preemptions=sum(c.request.num_preemptions for c in parent.children),
+            num_cached_tokens=first.num_cached_tokens or 0)
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions,
                              parent.finished, metrics,
                              first.prompt_logprobs if parent.params.prompt_logprobs is not None else None)

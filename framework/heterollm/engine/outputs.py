@@ -14,6 +14,8 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache (OpenAI usage.prompt_tokens_details.cached_tokens)."""
 
     @property
     def ttft(self) -> float | None:

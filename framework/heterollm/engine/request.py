@@ -43,6 +43,11 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int | None = None
+    """Prompt tokens found in the prefix cache when the request was first scheduled."""
+    num_prefill_chunks: int = 0
+    """Prefill chunks scheduled after the first (for --chunked_match_frequency)."""
+    """Prompt tokens found in the prefix cache when the request was first scheduled."""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -64,4 +64,8 @@ class AttentionBackend(Component):
 
         query: (num_tokens, num_heads, head_dim); key, value: (num_tokens, num_kv_heads, head_dim);
         kv_cache: this layer's tensor of `kv_cache_shape`. Returns (num_tokens, num_heads, head_dim).
+
+        Every sequence's new K/V must be in the cache before any sequence of the step reads it: a
+        sequence's context may include blocks another sequence of the same step is computing (the
+        prefix cache shares them within a batch). Blocks shared between tables are only read.
         """

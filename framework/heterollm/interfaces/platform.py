@@ -20,6 +20,11 @@ class Platform(ABC):
     """torch.distributed backend for collectives: gloo, nccl, hccl, cncl."""
     default_impl: ClassVar[str]
     """Component family used for every group when `--extension_impl` is empty or lacks the group."""
+    idle_kv_budget_bytes: ClassVar[int | None] = None
+    """Where an allocated but untouched KV cache costs no memory until first written (CPU: pages
+    are committed on first touch), how much the prefix cache may keep in freed blocks beyond the
+    working set before it evicts rather than touch a new block; None where the cache is resident
+    anyway (every block is used). An explicit --max_cache_size or --num_gpu_blocks_override lifts it."""
 
     @abstractmethod
     def is_available(self) -> bool:

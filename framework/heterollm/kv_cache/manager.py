@@ -1,42 +1,157 @@
-"""Block pool and per-request block tables.
+"""Block pool, per-request block tables and the prefix cache.
 
 A request owning `n` tokens of KV holds ceil(n / block_size) blocks. `allocate` grows a table
 to cover the tokens scheduled this step or refuses (the scheduler then preempts); `free` returns
 all of a request's blocks; `trim` gives back tail blocks (speculative decoding's rejected tokens).
+
+Prefix cache (`--enable_prefix_cache`, on by default). A full block is named by a hash chain:
+hash(parent block's hash, the block's token ids, extra keys) with XXH3-128 seeded by
+`--xxh3_128bits_seed`, so equal hashes mean equal prefixes up to and including the block. Once a
+block's K/V is computed (`commit`) its hash is registered; `match_prefix` walks a new request's
+chain and `allocate` shares every leading hit (reference counted). The last, partial block is
+never shared, and at least one prompt token is always recomputed so the request has logits to
+sample from. A block whose count drops to zero keeps its hash and stays findable until the pool
+needs it; cached blocks are evicted least recently freed first (a request's tail blocks before
+its head, as they are the least likely to be shared). See BlockPool for the order.
+
+Events for `--kv_events_config` are recorded as plain tuples when `record_events` is set and
+drained once per step with `take_events()`:
+("stored", block_hashes, parent_hash, token_ids, block_size), ("removed", block_hashes), ("cleared",).
 """
 from __future__ import annotations
 
+import array
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import xxhash
+
+
+def hash_block(parent: int | None, token_ids: Sequence[int], seed: int, extra: bytes = b"") -> int:
+    """XXH3-128 of (parent hash, token ids, extra keys): one link of the prefix hash chain."""
+    head = b"" if parent is None else parent.to_bytes(16, "little")
+    return xxhash.xxh3_128_intdigest(head + array.array("q", token_ids).tobytes() + extra, seed=seed)
+
 
 class BlockPool:
-    """Free blocks as a stack: the most recently freed blocks are handed out first. A cache that
-    is reserved but committed page by page (the CPU backend's) then keeps its resident memory at
-    the working set; a FIFO pool would walk every block of the reservation over time (measured:
-    +180 MiB of server RSS per round of 32 requests, without end)."""
+    """Blocks with reference counts. Free blocks fall in three sets: freed blocks that hold no
+    cached prefix (a stack: the most recently freed go out first), blocks never used yet (in
+    order), and freed blocks that hold a cached prefix (in LRU order, evicted when needed). Freed
+    plain blocks always go first; then untouched blocks before any eviction, so the prefix cache
+    keeps as much as the pool holds. With `idle_limit` (a cache whose pages are committed on first
+    write, as on CPU) at most that many cached blocks wait unreferenced: beyond it the LRU one is
+    evicted before an untouched block is touched, so resident memory levels off at the working
+    set plus the limit instead of growing over a long run to the whole reservation."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, idle_limit: int | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # block 0 on top
+        self.idle_limit = idle_limit
+        self.ref = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}
+        """hash -> the block holding that prefix."""
+        self._free: list[int] = []
+        self._fresh: list[int] = list(range(num_blocks - 1, -1, -1))  # block 0 on top
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
+        self.events: list[tuple] | None = None
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._fresh) + len(self._evictable)
+
+    def _next(self) -> int:
+        if self._free:
+            return self._free.pop()
+        if self._fresh and (self.idle_limit is None or len(self._evictable) < self.idle_limit):
+            return self._fresh.pop()
+        if self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            self.uncache(block)
+            return block
+        return self._fresh.pop()
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.cached)
 
     def take(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise RuntimeError(f"asked for {n} blocks, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+        if n > self.num_free:
+            raise RuntimeError(f"asked for {n} blocks, {self.num_free} free")
+        out = []
+        for _ in range(n):
+            block = self._next()
+            self.ref[block] = 1
+            out.append(block)
+        return out
 
-    def give_back(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+    def touch(self, blocks: Sequence[int]) -> None:
+        """Share cached blocks with one more request."""
+        for block in blocks:
+            if self.ref[block] == 0:
+                del self._evictable[block]
+            self.ref[block] += 1
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """Drop one reference to each block; the tail is released first so it is evicted first."""
+        for block in reversed(blocks):
+            self.ref[block] -= 1
+            if self.ref[block] == 0:
+                if self.block_hash[block] is None:
+                    self._free.append(block)
+                else:
+                    self._evictable[block] = None
+
+    def cache(self, block: int, block_hash: int) -> bool:
+        """Register `block` as holding the prefix `block_hash`; False if another block already does."""
+        if block_hash in self.cached or self.block_hash[block] is not None:
+            return False
+        self.cached[block_hash] = block
+        self.block_hash[block] = block_hash
+        return True
+
+    def uncache(self, block: int) -> None:
+        h = self.block_hash[block]
+        if h is not None:
+            del self.cached[h]
+            self.block_hash[block] = None
+            if self.events is not None:
+                self.events.append(("removed", [h]))
+
+    def clear_cache(self) -> None:
+        """Forget every cached prefix (blocks in use keep their contents, just not their names)."""
+        for block in list(self._evictable):
+            self._free.append(block)
+        self._evictable.clear()
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks
+        if self.events is not None:
+            self.events.append(("cleared",))
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = False,
+                 hash_seed: int = 1024, record_events: bool = False, idle_limit: int | None = None) -> None:
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, idle_limit)
         self.tables: dict[str, list[int]] = {}
+        self.enable_prefix_cache = enable_prefix_cache
+        self.hash_seed = hash_seed
+        self._hashes: dict[str, list[int]] = {}
+        """Per request: the chain hashes of its full blocks computed so far (a cache of hash_block)."""
+        self._committed: dict[str, int] = {}
+        """Per request: how many leading blocks of its table are known to be in the cache (or were offered to it)."""
+        self._hits: dict[str, list[int]] = {}
+        """Per request: blocks found by match_prefix, shared at its next allocate."""
+        self._lookups: dict[str, tuple[int, int]] = {}
+        """Per request: (tokens looked up, tokens found) by its last match_prefix, counted once it is admitted."""
+        self.queries = 0
+        """Prompt tokens looked up in the prefix cache (a Prometheus counter)."""
+        self.hits = 0
+        """Of those, tokens found."""
+        if record_events:
+            self.pool.events = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -49,18 +164,112 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    # -- prefix cache ----------------------------------------------------------------------
+    def _chain(self, request_id: str, tokens: Sequence[int], num_blocks: int) -> list[int]:
+        """The request's chain hashes for its first `num_blocks` full blocks (computed once each)."""
+        hashes = self._hashes.setdefault(request_id, [])
+        bs = self.block_size
+        for i in range(len(hashes), num_blocks):
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs], self.hash_seed))
+        return hashes
+
+    def match_prefix(self, request_id: str, tokens: Sequence[int], start_block: int = 0) -> int:
+        """Find the cached blocks that continue the request's table from `start_block` (0 for a new
+        request) and hold them for its next `allocate`; returns how many tokens they cover. At least
+        the last token is left to compute."""
+        if not self.enable_prefix_cache:
+            return 0
+        limit = (len(tokens) - 1) // self.block_size
+        hashes = self._chain(request_id, tokens, limit)
+        hits = []
+        for h in hashes[start_block:limit]:
+            block = self.pool.cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        if start_block == 0:
+            self._lookups[request_id] = (len(tokens), len(hits) * self.block_size)
+        if hits:
+            self._hits[request_id] = hits
+        return len(hits) * self.block_size
+
+    def commit_due(self, request_id: str, num_computed: int) -> bool:
+        """Whether `commit` would register anything (cheap: lets callers skip building the token list)."""
+        return self.enable_prefix_cache and num_computed // self.block_size > self._committed.get(request_id, 0)
+
+    def commit(self, request_id: str, tokens: Sequence[int], num_computed: int) -> None:
+        """Register the request's full blocks among its first `num_computed` tokens (their K/V is
+        written, or is being written this step) in the prefix cache."""
+        if not self.enable_prefix_cache:
+            return
+        table = self.tables.get(request_id)
+        done = self._committed.get(request_id, 0)
+        full = min(num_computed // self.block_size, len(table) if table else 0)
+        if full <= done:
+            return
+        hashes = self._chain(request_id, tokens, full)
+        group: list[int] = []
+        for i in range(done, full):
+            if self.pool.cache(table[i], hashes[i]):
+                group.append(i)
+            elif group:
+                self._stored(hashes, tokens, group)
+                group = []
+        if group:
+            self._stored(hashes, tokens, group)
+        self._committed[request_id] = full
+
+    def _stored(self, hashes: list[int], tokens: Sequence[int], idx: list[int]) -> None:
+        if self.pool.events is None:
+            return
+        bs = self.block_size
+        self.pool.events.append(("stored", [hashes[i] for i in idx], hashes[idx[0] - 1] if idx[0] else None,
+                                 list(tokens[idx[0] * bs:(idx[-1] + 1) * bs]), bs))
+
+    def take_events(self) -> list[tuple]:
+        events = self.pool.events
+        if not events:
+            return []
+        self.pool.events = []
+        return events
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.clear_cache()
+        for request_id in self._committed:
+            self._committed[request_id] = len(self.tables.get(request_id, ()))
+
+    # -- allocation ------------------------------------------------------------------------
     def can_allocate(self, request_id: str, num_tokens: int) -> bool:
+        return self._shortfall(request_id, num_tokens) <= 0
+
+    def _shortfall(self, request_id: str, num_tokens: int) -> int:
         have = len(self.tables.get(request_id, ()))
-        return self.blocks_for(num_tokens) - have <= self.pool.num_free
+        hits = self._hits.get(request_id, ())
+        unheld = sum(1 for b in hits if self.pool.ref[b] == 0)  # sharing these takes them off the free list
+        return max(self.blocks_for(num_tokens) - have - len(hits), 0) + unheld - self.pool.num_free
 
     def allocate(self, request_id: str, num_tokens: int) -> list[int] | None:
-        """Make the request's table cover `num_tokens` tokens; None (nothing changed) if short."""
-        table = self.tables.setdefault(request_id, [])
-        need = self.blocks_for(num_tokens) - len(table)
-        if need > self.pool.num_free:
-            if not table:
-                del self.tables[request_id]
+        """Make the request's table cover `num_tokens` tokens, first sharing the blocks its last
+        `match_prefix` found; None (nothing changed, matched blocks dropped) if short."""
+        if self._shortfall(request_id, num_tokens) > 0:
+            self._hits.pop(request_id, None)
+            self._lookups.pop(request_id, None)
+            if not self.tables.get(request_id):
+                self.tables.pop(request_id, None)
             return None
+        table = self.tables.setdefault(request_id, [])
+        lookup = self._lookups.pop(request_id, None)
+        if lookup:
+            self.queries += lookup[0]
+            self.hits += lookup[1]
+        hits = self._hits.pop(request_id, None)
+        if hits:
+            if len(table) != self._committed.get(request_id, 0):
+                raise RuntimeError(f"{request_id}: matched blocks must continue a fully committed table")
+            self.pool.touch(hits)
+            table.extend(hits)
+            self._committed[request_id] = len(table)
+        need = self.blocks_for(num_tokens) - len(table)
         if need > 0:
             table.extend(self.pool.take(need))
         return table
@@ -71,10 +280,29 @@ class KVCacheManager:
             return
         keep = self.blocks_for(num_tokens)
         if keep < len(table):
-            self.pool.give_back(table[keep:])
+            self.pool.release(table[keep:])
             del table[keep:]
+        full = num_tokens // self.block_size
+        if self._committed.get(request_id, 0) > full:
+            # the kept block that is no longer full will be written again: it must stop naming its old contents
+            if full < len(table):
+                block = table[full]
+                if self.pool.ref[block] > 1:
+                    raise RuntimeError(f"{request_id}: cannot rewrite block {block}, another request shares it")
+                self.pool.uncache(block)
+            self._committed[request_id] = full
+            del self._hashes.get(request_id, [])[full:]
 
     def free(self, request_id: str) -> None:
         table = self.tables.pop(request_id, None)
         if table:
-            self.pool.give_back(table)
+            self.pool.release(table)
+        self.drop(request_id)
+
+    def drop(self, request_id: str) -> None:
+        """Forget the request's bookkeeping (its blocks, if any, must already be released)."""
+        self.tables.pop(request_id, None)
+        self._hashes.pop(request_id, None)
+        self._committed.pop(request_id, None)
+        self._hits.pop(request_id, None)
+        self._lookups.pop(request_id, None)

@@ -19,8 +19,13 @@ logger = logging.getLogger("heterollm.scheduler")
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 in_batch_prefix_cache: bool = False) -> None:
         self.config = config
+        self.in_batch_prefix_cache = in_batch_prefix_cache
+        """Register the full blocks a step computes when it is scheduled, not after it ran, so later
+        requests of the same step share them (`--enable_in_batch_prefix_cache`)."""
+
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -88,15 +93,20 @@ class Scheduler:
             nonlocal budget, seq_budget
             while self.waiting and budget > 0 and seq_budget > 0:
                 request = self.waiting[0]
-                remaining = request.num_uncomputed
+                cached = self._match_prefix(request)
+                remaining = request.num_tokens - cached
                 num_new = min(remaining, budget, self.chunk_size) if chunked else remaining
                 if num_new > budget:  # only without chunking: the whole prompt must fit this step
                     break
-                if self.kv.allocate(request.request_id, request.num_computed_tokens + num_new) is None:
+                if self.kv.allocate(request.request_id, cached + num_new) is None:
                     break
+                request.num_computed_tokens = cached
+                if request.num_cached_tokens is None:
+                    request.num_cached_tokens = cached
                 self.waiting.popleft()
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
+                self._commit_now(request, num_new)
                 scheduled[request.request_id] = num_new
                 budget -= num_new
                 seq_budget -= 1
@@ -116,6 +126,8 @@ class Scheduler:
                 break
             if not self.config.enable_mix_batch and scheduled and request.is_decoding != self._decoding(scheduled):
                 continue
+            if not request.is_decoding:
+                self._rematch(request)
             remaining = request.num_uncomputed
             num_new = min(remaining, budget, self.chunk_size if not request.is_decoding else remaining)
             if not chunked and num_new < remaining:
@@ -127,6 +139,7 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 continue
+            self._commit_now(request, num_new)
             scheduled[request.request_id] = num_new
             budget -= num_new
             seq_budget -= 1
@@ -134,6 +147,37 @@ class Scheduler:
         if self.config.enable_mix_batch or not scheduled:
             try_waiting()
         return self._build(scheduled)
+
+    def _match_prefix(self, request: Request) -> int:
+        """Tokens of a waiting request already in the prefix cache (0 when it is off, the request
+        wants prompt logprobs, which need every prompt position computed, or it is part way in)."""
+        if (not self.kv.enable_prefix_cache or request.num_computed_tokens
+                or request.params.prompt_logprobs is not None):
+            return request.num_computed_tokens
+        return self.kv.match_prefix(request.request_id, request.all_token_ids)
+
+    def _rematch(self, request: Request) -> None:
+        """`--chunked_match_frequency N`: before every Nth further chunk of a chunked prefill, adopt the
+        blocks that other requests have put in the cache since this one was admitted (e.g. the same
+        long prompt running ahead of it with a bigger share of the token budget)."""
+        request.num_prefill_chunks += 1
+        kv, done = self.kv, request.num_computed_tokens
+        if (not kv.enable_prefix_cache or request.params.prompt_logprobs is not None or done % kv.block_size
+                or request.num_prefill_chunks % self.config.chunked_match_frequency):
+            return
+        extra = kv.match_prefix(request.request_id, request.all_token_ids, start_block=done // kv.block_size)
+        if extra and kv.allocate(request.request_id, done + extra) is not None:
+            request.num_computed_tokens += extra
+            request.num_cached_tokens = (request.num_cached_tokens or 0) + extra
+            kv.hits += extra
+
+    def _commit_now(self, request: Request, num_new: int) -> None:
+        """With in-batch prefix caching, offer the full blocks this step computes to the cache at once: a
+        step writes all its new K/V before any attention reads the cache, so later requests of the
+        same step may already share them."""
+        end = request.num_computed_tokens + num_new
+        if self.in_batch_prefix_cache and self.kv.commit_due(request.request_id, end):
+            self.kv.commit(request.request_id, request.all_token_ids, end)
 
     def _decoding(self, scheduled: dict[str, int]) -> bool:
         first = next(iter(scheduled))
@@ -173,6 +217,8 @@ class Scheduler:
             if r is None:
                 continue
             r.num_computed_tokens += len(item.new_token_ids)
+            if self.kv.commit_due(r.request_id, r.num_computed_tokens):
+                self.kv.commit(r.request_id, r.all_token_ids, r.num_computed_tokens)
             tokens, lps, plps = sampled.get(item.request_id, ([], None, None))
             if plps is not None:
                 r.prompt_logprobs = (r.prompt_logprobs or [None]) + plps

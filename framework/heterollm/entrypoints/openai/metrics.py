@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from heterollm.engine.llm_engine import LLMEngine
 from heterollm.engine.outputs import RequestOutput
@@ -48,6 +49,7 @@ class ServerMetrics:
         }
         for name, (doc, fn) in gauges.items():
             Gauge(name, doc, registry=r).set_function(fn)
+        r.register(_PrefixCacheCollector(engine, model_name))
         self.in_flight = Gauge("heterollm_http_requests_in_flight", "Generation requests the server is handling.",
                                registry=r)
 
@@ -71,3 +73,26 @@ class ServerMetrics:
 
     def record_error(self, status: int) -> None:
         self.errors.labels(self.model_name, str(status)).inc()
+
+
+class _PrefixCacheCollector:
+    """Prefix cache counters read from the KV cache manager at scrape time (tokens, as vLLM counts)."""
+
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        self.kv, self.model_name = engine.kv, model_name
+
+    def collect(self):
+        kv, labels = self.kv, [self.model_name]
+        queries = CounterMetricFamily("heterollm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      labels=["model_name"])
+        queries.add_metric(labels, kv.queries)
+        hits = CounterMetricFamily("heterollm_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                   labels=["model_name"])
+        hits.add_metric(labels, kv.hits)
+        rate = GaugeMetricFamily("heterollm_prefix_cache_hit_rate", "Prefix cache hits / queries since start (0..1).",
+                                 labels=["model_name"])
+        rate.add_metric(labels, kv.hits / kv.queries if kv.queries else 0.0)
+        blocks = GaugeMetricFamily("heterollm_prefix_cache_blocks", "KV cache blocks holding a cached prefix "
+                                   "(in use or evictable).", labels=["model_name"])
+        blocks.add_metric(labels, kv.pool.num_cached)
+        return [queries, hits, rate, blocks]

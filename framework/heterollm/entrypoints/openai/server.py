@@ -421,9 +421,10 @@ class _Ctx:
         self.n = body.n
 
     # -- pieces ----------------------------------------------------------------------------
-    def _usage(self, prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    def _usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
     def _completion_logprobs(self, lps: list[tuple[int, TokenLogprobs | None]], offset: int) -> dict[str, Any]:
         """OpenAI's legacy logprobs object; (token id, logprobs) pairs, None for the first prompt token."""
@@ -482,7 +483,8 @@ class _Ctx:
                 choices.append({"index": i * self.n + c.index, "text": prefix + c.text, "logprobs": logprobs,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": self._usage(prompt_tokens, completion_tokens)}
+                "choices": choices,
+                "usage": self._usage(prompt_tokens, completion_tokens, sum(o.metrics.num_cached_tokens for o in outs))}
 
     def chat_response(self, out: RequestOutput) -> dict[str, Any]:
         choices, completion_tokens = [], 0
@@ -493,7 +495,8 @@ class _Ctx:
                             "logprobs": self._chat_logprobs(c.logprobs or []) if self.logprobs is not None else None,
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": self._usage(len(out.prompt_token_ids), completion_tokens)}
+                "choices": choices,
+                "usage": self._usage(len(out.prompt_token_ids), completion_tokens, out.metrics.num_cached_tokens)}
 
     def _echo_prefix(self) -> str:
         """vLLM's chat echo: the content of a final assistant message the answer continues."""
@@ -554,8 +557,10 @@ class _Ctx:
         generated: dict[int, int] = {}
         sent_echo: set[int] = set()
         offsets: dict[int, int] = {}
+        cached: dict[int, int] = {}
         try:
             async for i, out in self._merged():
+                cached[i] = out.metrics.num_cached_tokens
                 for c in out.outputs:
                     index = i * self.n + c.index
                     text = c.delta_text
@@ -577,18 +582,21 @@ class _Ctx:
                     offsets[index] = offsets.get(index, 0) + len(text)
                     choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
                               "stop_reason": c.stop_reason}
-                    usage = self._usage(prompt_tokens, sum(generated.values())) if continuous else None
+                    usage = (self._usage(prompt_tokens, sum(generated.values()), sum(cached.values()))
+                             if continuous else None)
                     yield self._chunk("text_completion", [choice], usage)
         finally:
             for s in self.streams:
                 s.close()
         if include_usage:
-            yield self._chunk("text_completion", [], self._usage(prompt_tokens, sum(generated.values())))
+            yield self._chunk("text_completion", [],
+                              self._usage(prompt_tokens, sum(generated.values()), sum(cached.values())))
 
     async def stream_chat(self) -> AsyncIterator[dict[str, Any]]:
         include_usage, continuous = self._stream_opts()
         prompt_tokens = len(self.prompts[0][1])
         generated: dict[int, int] = {}
+        cached = 0
         for index in range(self.n):
             first = {"role": "assistant", "content": self._echo_prefix()}
             yield self._chunk("chat.completion.chunk", [{"index": index, "delta": first, "logprobs": None,
@@ -596,6 +604,7 @@ class _Ctx:
                               self._usage(prompt_tokens, 0) if continuous else None)
         try:
             async for _, out in self._merged():
+                cached = out.metrics.num_cached_tokens
                 for c in out.outputs:
                     done = generated.get(c.index, 0)
                     lps = list((c.logprobs or [])[done:len(c.token_ids)]) if self.logprobs is not None else []
@@ -605,13 +614,13 @@ class _Ctx:
                     choice = {"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
                               "logprobs": self._chat_logprobs(lps) if self.logprobs is not None else None,
                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                    usage = self._usage(prompt_tokens, sum(generated.values())) if continuous else None
+                    usage = self._usage(prompt_tokens, sum(generated.values()), cached) if continuous else None
                     yield self._chunk("chat.completion.chunk", [choice], usage)
         finally:
             for s in self.streams:
                 s.close()
         if include_usage:
-            yield self._chunk("chat.completion.chunk", [], self._usage(prompt_tokens, sum(generated.values())))
+            yield self._chunk("chat.completion.chunk", [], self._usage(prompt_tokens, sum(generated.values()), cached))
 
 
 def build_server(engine: LLMEngine, settings: ServerSettings) -> OpenAIServer:
