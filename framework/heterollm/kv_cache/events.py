@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import logging
 import queue
+from array import array
 import threading
 import time
 from dataclasses import dataclass
@@ -141,7 +142,7 @@ def _to_event(raw: RawEvent) -> KVCacheEvent:
 @dataclass(frozen=True)
 class _Block:
     parent: int | None
-    token_ids: list[int]
+    token_ids: array  # int64: 8 bytes a token, where a list of ints costs ~36 (a big cache holds millions)
     block_size: int
 
 
@@ -149,7 +150,7 @@ class KVResidency:
     """Which blocks are cached, rebuilt from the events alone (wire hashes as keys)."""
 
     def __init__(self) -> None:
-        self._blocks: dict[int, _Block] = {}  # insertion order: a parent before its children
+        self._blocks: dict[int, _Block] = {}  # insertion order; a re-stored parent can follow its children
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -161,7 +162,8 @@ class KVResidency:
         if isinstance(event, BlockStored):
             parent, size = event.parent_block_hash, event.block_size
             for i, block_hash in enumerate(event.block_hashes):
-                self._blocks.setdefault(block_hash, _Block(parent, event.token_ids[i * size:(i + 1) * size], size))
+                tokens = array("q", event.token_ids[i * size:(i + 1) * size])
+                self._blocks.setdefault(block_hash, _Block(parent, tokens, size))
                 parent = block_hash
         elif isinstance(event, BlockRemoved):
             for block_hash in event.block_hashes:
