@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from heterollm.config.base import flag_aliases, flag_choices
+from heterollm.config.cache import KV_EVENTS_REFUSED, KVEventsConfig
 from heterollm.config.schema import CONFIG_GROUPS
 from heterollm.config.support import RULES
 
@@ -23,6 +24,8 @@ def _type_name(info) -> str:
 
 
 def _default(info) -> str:
+    if info.is_required():
+        return "(required)"
     value = info.get_default(call_default_factory=True)
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -67,7 +70,21 @@ def render() -> str:
             out.append(f"| `--{name}` | {_type_name(info)} | `{_default(info)}` | {_range(info)} | {aliases} | "
                        f"{status} | {desc} |")
         out.append("")
-    return "\n".join(out)
+    return "\n".join(out + _kv_events_fields())
+
+
+def _kv_events_fields() -> list[str]:
+    out = ["## --kv_events_config: the JSON object", "",
+           "`--kv_events_config` holds a JSON object with these fields (example: "
+           "`{\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv-events\"}`). "
+           "DP rank r uses each endpoint's port + r; overlapping port ranges fail at launch. Wire format: "
+           "README.md, *KV cache events*.", "",
+           "| field | type | default | range | status | description |", "|---|---|---|---|---|---|"]
+    for name, info in KVEventsConfig.model_fields.items():
+        status = f"must stay empty: {KV_EVENTS_REFUSED[name]}" if name in KV_EVENTS_REFUSED else ""
+        desc = (info.description or "").replace("|", "\\|").replace("\n", " ")
+        out.append(f"| `{name}` | {_type_name(info)} | `{_default(info)}` | {_range(info)} | {status} | {desc} |")
+    return out + [""]
 
 
 def main(argv: list[str]) -> int:

@@ -24,6 +24,12 @@ import pytest
     (["serve", "--model", "m", "--enable_fused_mc2=1"], "--enable_fused_mc2=1: Ascend NPU only"),
     (["serve", "--model", "m", "--kv_cache_dtype=int8"], "--kv_cache_dtype=int8: Cambricon MLU only"),
     (["serve", "--model", "m", "--dit_cache_policy=x"], "--dit_cache_policy"),
+    (["serve", "--model", "m", "--kv_events_config", '{"endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5557"}'],
+     "--kv_events_config: field 'replay_endpoint' ports 5557 overlap field 'endpoint' ports 5557"),
+    (["serve", "--model", "m", "--dp_size=2", "--kv_events_config",
+      '{"endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558"}'], "'replay_endpoint' ports 5558-5559 overlap"),
+    (["config", "--model", "m", "--kv_events_config", '{"endpoint":"tcp://*:1","motor_pool_endpoint":"tcp://*:2"}'],
+     "--kv_events_config: field 'motor_pool_endpoint': xLLM Motor"),
     (["nosuchcommand"], "unknown command"),
     (["backends", "--model", "m"], "takes no flags"),
 ])

@@ -1,6 +1,7 @@
 """xLLM flag groups for weights/VMM, the KV cache and the KV cache store."""
 
 import json
+import re
 
 from pydantic import Field, ValidationError, field_validator
 
@@ -26,6 +27,74 @@ class KVEventsConfig(FlagGroup):
     topic: str = flag("", "发布的 ZeroMQ topic;消费端的订阅过滤器需要匹配该 topic。")
     hwm: Int32 = flag(10000, "ZeroMQ 发送队列高水位,单位为消息数;必须为正数。", gt=0)
     snapshot_interval_seconds: Int32 = flag(60, "周期性发布全量驻留快照的间隔,单位为秒;必须为正数。", gt=0)
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _check_port(cls, value: str) -> str:
+        if value:
+            endpoint_port(value)  # raises with the reason
+        return value
+
+    @field_validator("motor_pool_endpoint")
+    @classmethod
+    def _refuse_motor_pool(cls, value: str) -> str:
+        if value:
+            raise ValueError(f"{KV_EVENTS_REFUSED['motor_pool_endpoint']}; leave it empty")
+        return value
+
+
+KV_EVENTS_REFUSED = {
+    "motor_pool_endpoint": "xLLM Motor's host-copy acknowledgement stream has no equivalent in heterollm "
+                           "(there is no Motor host pool)",
+}
+"""JSON fields of --kv_events_config that must stay empty, with the reason (docs/flags.md shows it)."""
+
+
+_TCP_ENDPOINT = re.compile(r"^tcp://(?P<host>\S+):(?P<port>[^:]+)$")
+
+
+def endpoint_port(endpoint: str) -> int:
+    """The port of a `tcp://host:port` endpoint; a ValueError says why there is none."""
+    match = _TCP_ENDPOINT.match(endpoint)
+    if match is None:
+        raise ValueError(f"must be a TCP endpoint tcp://HOST:PORT, got {endpoint!r}")
+    port = match["port"]
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"needs a numeric port in 1-65535 (DP rank r uses port + r), got {endpoint!r}")
+    return int(port)
+
+
+def rank_endpoint(endpoint: str, dp_rank: int) -> str:
+    """The endpoint of DP rank `dp_rank`: the base port plus the rank (vLLM's rule)."""
+    base = endpoint.rpartition(":")[0]
+    return f"{base}:{endpoint_port(endpoint) + dp_rank}"
+
+
+def kv_events_port_problems(events: KVEventsConfig, dp_size: int) -> list[str]:
+    """Launch check of the per-DP-rank ports: rank r publishes on endpoint's port + r and answers
+    replay requests on replay_endpoint's port + r, so over ranks 0..dp_size-1 both ranges must
+    fit under 65536 and must not overlap (whatever the hosts: `*` binds every interface)."""
+    ranges: dict[str, range] = {}
+    problems = []
+    for name in ("endpoint", "replay_endpoint"):
+        value = getattr(events, name)
+        if not value:
+            continue
+        base = endpoint_port(value)
+        ranges[name] = range(base, base + dp_size)
+        if base + dp_size - 1 > 65535:
+            problems.append(f"--kv_events_config: field {name!r}: port {base} + DP rank up to {dp_size - 1} "
+                            f"passes 65535")
+    if len(ranges) == 2:
+        pub, replay = ranges["endpoint"], ranges["replay_endpoint"]
+        if pub.start < replay.stop and replay.start < pub.stop:
+            problems.append(f"--kv_events_config: field 'replay_endpoint' ports {_span(replay)} overlap field "
+                            f"'endpoint' ports {_span(pub)} (DP rank r uses base port + r, dp_size={dp_size})")
+    return problems
+
+
+def _span(ports: range) -> str:
+    return str(ports.start) if len(ports) == 1 else f"{ports.start}-{ports.stop - 1}"
 
 
 class KVCacheConfig(FlagGroup):
@@ -57,7 +126,7 @@ class KVCacheConfig(FlagGroup):
             except ValidationError as exc:
                 first = exc.errors()[0]
                 where = ".".join(str(p) for p in first["loc"]) or "value"
-                raise ValueError(f"field {where!r}: {first['msg']}") from None
+                raise ValueError(f"field {where!r}: {first['msg'].removeprefix('Value error, ')}") from None
         return value
 
 

@@ -68,7 +68,7 @@ _planned("revision load_choices dynamic_load_weight use_warmup",
          "quantized execution / weight reloading (weights are dequantized on load)")
 _planned("kv_cache_ratio static_decode_blocks max_num_partial_prefills max_long_partial_prefills "
          "long_prefill_token_threshold prefill_scheduling_memory_usage_threshold", "scheduler policies issue")
-_planned("kv_events_config priority_strategy "
+_planned("priority_strategy "
          "aggressive_coeff starve_threshold enable_starve_prevent swap_space", "the prefix cache / policies issue",
          ok=())
 _planned("dp_size ep_size cp_size kv_split_size tp_size health_check_interval_ms master_node_addr "

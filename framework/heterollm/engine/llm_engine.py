@@ -14,6 +14,7 @@ from heterollm.engine.request import Request, RequestRejected
 from heterollm.engine.step_profiler import StepProfiler
 from heterollm.interfaces import RunnerOutput, SchedulerOutput
 from heterollm.kv_cache import KVCacheManager
+from heterollm.kv_cache.events import make_kv_event_publisher
 from heterollm.model_executor.loader import resolve_model
 from heterollm.model_executor.runner import LaunchContext, resolve_dtype
 from heterollm.sampling import SamplingParams
@@ -95,8 +96,10 @@ class LLMEngine:
             if kvc.enable_prefix_cache and idle_limit < num_blocks:
                 logger.info("prefix cache: at most %d freed blocks (%.0f MiB) stay cached beyond the working set; "
                             "--max_cache_size lets it use the whole cache", idle_limit, idle_bytes / 2**20)
+        self.kv_events = make_kv_event_publisher(kvc.kv_events_config, dp_rank=0)
+        """Publishes the prefix cache's BlockStored/BlockRemoved events over ZeroMQ (--kv_events_config)."""
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_cache=kvc.enable_prefix_cache,
-                                 hash_seed=kvc.xxh3_128bits_seed, record_events=bool(kvc.kv_events_config),
+                                 hash_seed=kvc.xxh3_128bits_seed, record_events=self.kv_events is not None,
                                  idle_limit=idle_limit)
         self.scheduler = Scheduler(config.scheduler, self.kv, max_len,
                                    in_batch_prefix_cache=kvc.enable_prefix_cache and kvc.enable_in_batch_prefix_cache)
@@ -188,6 +191,8 @@ class LLMEngine:
         result = self.executor.execute(so)
         t2 = time.perf_counter()
         outputs = self._process(so, result)
+        if self.kv_events is not None:
+            self.kv_events.publish(self.kv.take_events())
         if self.profiler is not None:
             self.profiler.record(len(so.requests), so.num_tokens, t1 - t0, result.timings, time.perf_counter() - t2)
         return outputs
@@ -291,4 +296,6 @@ class LLMEngine:
     def shutdown(self) -> None:
         if self.profiler is not None:
             self.profiler.flush()
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
         self.executor.shutdown()

@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from heterollm.config.checks import check_flag_combinations
 from heterollm.config.support import check_support
 from heterollm.plugins.registry import COMPONENT_GROUPS, Entry, Registry, get_registry
 
@@ -138,6 +139,7 @@ def resolve(config: HeterollmConfig, registry: Registry | None = None) -> Select
     for group, entry in components.items():
         reasons += [f"{group} {entry.name}: {r}" for r in entry.obj.validate(config)]
     reasons += check_support(config, platform.name)
+    reasons += check_flag_combinations(config)
     if reasons:
         raise LaunchError(reasons)
     selection = Selection(platform, platform_entry, family, components)
