@@ -57,6 +57,11 @@ CASES = [
      "chat template"),
     ("/v1/chat/completions", json.dumps({"messages": MSG, "stream_options": {"include_usage": True}}).encode(), 400,
      "stream_options", "stream=true"),
+    ("/v1/completions", b'{"prompt": "x", "priority": 3}', 400, "priority", "--priority_strategy=priority"),
+    ("/v1/completions", b'{"prompt": "x", "priority": "high"}', 400, "priority", "integer"),
+    ("/v1/completions", b'{"prompt": "x", "ttft_slo_ms": -5}', 400, "ttft_slo_ms", "positive"),
+    ("/v1/chat/completions", json.dumps({"messages": MSG, "ttft_slo_ms": 1.5}).encode(), 400, "ttft_slo_ms",
+     "integer"),
     ("/tokenize", b'{"prompt": "a", "messages": []}', 400, "prompt", "exactly one"),
     ("/detokenize", b'{"tokens": [-1]}', 400, "tokens", "vocabulary"),
 ]

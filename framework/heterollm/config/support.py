@@ -68,9 +68,6 @@ _planned("revision load_choices dynamic_load_weight use_warmup",
          "quantized execution / weight reloading (weights are dequantized on load)")
 _planned("kv_cache_ratio static_decode_blocks max_num_partial_prefills max_long_partial_prefills "
          "long_prefill_token_threshold prefill_scheduling_memory_usage_threshold", "scheduler policies issue")
-_planned("priority_strategy "
-         "aggressive_coeff starve_threshold enable_starve_prevent swap_space", "the prefix cache / policies issue",
-         ok=())
 _planned("dp_size ep_size cp_size kv_split_size tp_size health_check_interval_ms master_node_addr "
          "worker_memory_master_node_addr nnodes node_rank enable_attn_dp_weight_sharding enable_eplb "
          "redundant_experts_num eplb_update_interval expert_parallel_degree enable_expert_parallel "
@@ -82,7 +79,7 @@ _planned("draft_model num_speculative_tokens speculative_algorithm speculative_s
          "speculative_suffix_max_cached_requests speculative_suffix_use_tree_spec enable_probabilistic_draft "
          "speculative_config", "speculative decoding")
 _planned("guided_decoding_backend guided_decoding_disable_any_whitespace", "structured output")
-_planned("enable_kvcache_store prefetch_timeout prefetch_batch_size layers_wise_copy_batchs host_blocks_factor "
+_planned("swap_space enable_kvcache_store prefetch_timeout prefetch_batch_size layers_wise_copy_batchs host_blocks_factor "
          "store_protocol store_rdma_devices store_master_server_address store_metadata_server store_local_hostname "
          "enable_control_h2d_block_num", "KV cache store / host tier")
 _planned("enable_disagg_pd disagg_pd_port instance_role kv_cache_transfer_mode transfer_listen_port "

@@ -67,8 +67,8 @@ class AsyncEngine:
 
     # -- the caller's side -----------------------------------------------------------------
     async def add(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                  prompt_token_ids: list[int] | None = None,
-                  first_output_timeout: float | None = None) -> RequestStream:
+                  prompt_token_ids: list[int] | None = None, first_output_timeout: float | None = None,
+                  priority: int = 0, ttft_slo_ms: int | None = None) -> RequestStream:
         """Admit the request; its outputs then come from the returned stream.
 
         Raises RequestRejected when the engine refuses the request (nothing is admitted then).
@@ -80,7 +80,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         admitted = loop.create_future()
         stream = _Stream(loop, asyncio.Queue())
-        self._commands.put(("add", (prompt, params, request_id, prompt_token_ids), admitted, stream))
+        self._commands.put(("add", (prompt, params, request_id, prompt_token_ids, priority, ttft_slo_ms), admitted,
+                            stream))
         self._wake.set()
         try:
             await admitted
@@ -130,9 +131,10 @@ class AsyncEngine:
 
     def _apply(self, kind: str, payload: Any, admitted: Any, stream: Any) -> None:
         if kind == "add":
-            prompt, params, request_id, ids = payload
+            prompt, params, request_id, ids, priority, ttft_slo_ms = payload
             try:
-                self.engine.add_request(prompt, params, request_id=request_id, prompt_token_ids=ids)
+                self.engine.add_request(prompt, params, request_id=request_id, prompt_token_ids=ids,
+                                        priority=priority, ttft_slo_ms=ttft_slo_ms)
             except Exception as exc:  # RequestRejected and anything a bad prompt provokes
                 if not isinstance(exc, RequestRejected):
                     logger.exception("admitting request %s failed", request_id)

@@ -29,11 +29,12 @@ class LLM:
         return SamplingParams(**self.engine.source.generation_defaults)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams |
-                 Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+                 Sequence[SamplingParams] | None = None, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion in one continuous batch; outputs in input order.
 
         `prompts`: a string, a list of token ids, a dict with `prompt` or `prompt_token_ids`, or a
-        list of those. A bad prompt or parameter raises ValueError naming it before anything runs."""
+        list of those. `priority`: one per prompt, lower first (needs priority_strategy="priority").
+        A bad prompt or parameter raises ValueError naming it before anything runs."""
         single = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                       and isinstance(prompts[0], int))
         items = [prompts] if single else list(prompts)
@@ -45,8 +46,11 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(items):
                 raise ValueError(f"sampling_params: {len(params)} given for {len(items)} prompts")
+        priorities = list(priority) if priority is not None else [0] * len(items)
+        if len(priorities) != len(items):
+            raise ValueError(f"priority: {len(priorities)} given for {len(items)} prompts")
         encoded = [self.engine.tokenize_prompt(p) for p in items]  # validate all before admitting any
-        return self._run([(text, ids, sp) for (text, ids), sp in zip(encoded, params)])
+        return self._run([(text, ids, sp) for (text, ids), sp in zip(encoded, params)], priorities)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | None = None, chat_template: str | None = None,
@@ -61,13 +65,15 @@ class LLM:
             batch.append((None, ids, sp))
         return self._run(batch)
 
-    def _run(self, batch: list[tuple[str | None, list[int], SamplingParams]]) -> list[RequestOutput]:
+    def _run(self, batch: list[tuple[str | None, list[int], SamplingParams]],
+             priorities: list[int] | None = None) -> list[RequestOutput]:
         order = []
         try:
-            for text, ids, sp in batch:
+            for i, (text, ids, sp) in enumerate(batch):
                 self._counter += 1
                 rid = f"offline-{self._counter}"
-                self.engine.add_request(text if text is not None else ids, sp, request_id=rid, prompt_token_ids=ids)
+                self.engine.add_request(text if text is not None else ids, sp, request_id=rid, prompt_token_ids=ids,
+                                        priority=priorities[i] if priorities else 0)
                 order.append(rid)
         except Exception:
             for rid in order:

@@ -1,10 +1,15 @@
 """The synchronous engine: admission, the step loop, and output processing (incremental
-detokenization, stop conditions, n > 1 fan-out). Deterministic given seeds."""
+detokenization, stop conditions, n > 1 fan-out). Deterministic given seeds.
+
+With `--enable_schedule_overlap` a step runs on a worker thread while the engine schedules the next
+one and turns the previous one's tokens into outputs; the tokens are the same as without it.
+"""
 from __future__ import annotations
 
 import logging
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +24,7 @@ from heterollm.model_executor.loader import resolve_model
 from heterollm.model_executor.runner import LaunchContext, resolve_dtype
 from heterollm.sampling import SamplingParams
 from heterollm.scheduler import Scheduler
+from heterollm.scheduler.policy import SchedulingPolicy
 from heterollm.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 logger = logging.getLogger("heterollm.engine")
@@ -102,7 +108,12 @@ class LLMEngine:
                                  hash_seed=kvc.xxh3_128bits_seed, record_events=self.kv_events is not None,
                                  idle_limit=idle_limit)
         self.scheduler = Scheduler(config.scheduler, self.kv, max_len,
-                                   in_batch_prefix_cache=kvc.enable_prefix_cache and kvc.enable_in_batch_prefix_cache)
+                                   in_batch_prefix_cache=kvc.enable_prefix_cache and kvc.enable_in_batch_prefix_cache,
+                                   policy=SchedulingPolicy(config.scheduler, config.profile.max_global_ttft_ms))
+        self._worker = (ThreadPoolExecutor(1, thread_name_prefix="heterollm-step")
+                        if config.scheduler.enable_schedule_overlap else None)
+        """--enable_schedule_overlap: runs the executor's steps; None runs them inline."""
+        self._in_flight: tuple[SchedulerOutput, Future, float] | None = None
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, tuple[_Parent, _Child]] = {}
         self.profiler = StepProfiler() if config.profile.enable_profile_step_time else None
@@ -126,8 +137,14 @@ class LLMEngine:
         raise RequestRejected("prompt", "must be a string or a list of token ids")
 
     def add_request(self, prompt: str | list[int] | dict[str, Any], params: SamplingParams | None = None,
-                    request_id: str | None = None, prompt_token_ids: list[int] | None = None) -> str:
-        """Admit a request (raises RequestRejected naming the bad field; nothing is admitted then)."""
+                    request_id: str | None = None, prompt_token_ids: list[int] | None = None,
+                    priority: int = 0, ttft_slo_ms: int | None = None) -> str:
+        """Admit a request (raises RequestRejected naming the bad field; nothing is admitted then).
+
+        `priority` (lower first) needs --priority_strategy=priority; `ttft_slo_ms` is the time to first
+        token the request asks for: the deadline under --priority_strategy=deadline, and counted as
+        missed (RequestMetrics.ttft_slo_missed) under every strategy when the first token is later."""
+        self._check_scheduling_fields(priority, ttft_slo_ms)
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._parents:
@@ -143,7 +160,8 @@ class LLMEngine:
         children = []
         for i in range(params.n):
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(rid, ids, params, arrival_time=now, seed_offset=i, max_model_len=self.max_model_len)
+            req = Request(rid, ids, params, arrival_time=now, seed_offset=i, max_model_len=self.max_model_len,
+                          priority=priority, ttft_slo_ms=ttft_slo_ms)
             children.append(_Child(req, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens), i))
         added = []
         try:
@@ -160,6 +178,17 @@ class LLMEngine:
             self._children[child.request.request_id] = (parent, child)
         return request_id
 
+    def _check_scheduling_fields(self, priority: int, ttft_slo_ms: int | None) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -2**31 <= priority < 2**31:
+            raise RequestRejected("priority", "must be an integer that fits in 32 bits")
+        strategy = self.config.scheduler.priority_strategy
+        if priority != 0 and strategy != "priority":
+            raise RequestRejected("priority", f"a non-zero priority needs --priority_strategy=priority "
+                                              f"(this engine schedules by {strategy})")
+        if ttft_slo_ms is not None and (isinstance(ttft_slo_ms, bool) or not isinstance(ttft_slo_ms, int)
+                                        or not 0 < ttft_slo_ms < 2**31):
+            raise RequestRejected("ttft_slo_ms", "must be a positive integer number of milliseconds")
+
     def abort(self, request_id: str) -> None:
         parent = self._parents.pop(request_id, None)
         if parent is None:
@@ -173,39 +202,77 @@ class LLMEngine:
         return request_id in self._parents
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and run one step; returns the outputs it produced. With schedule overlap, the
+        step is left running and the outputs are those of the step before it."""
+        if self._worker is not None:
+            return self._step_overlapped()
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
         if not so.requests:
-            if self.scheduler.waiting and not self.scheduler.running:
-                stuck = self.scheduler.waiting[0]
-                logger.error("request %s cannot be scheduled (KV cache too small for it); aborting it",
-                             stuck.request_id)
-                self.scheduler.finish(stuck.request_id, "abort")
-                return self._outputs({self._children[stuck.request_id][0].request_id})
-            return []
+            return self._stuck()
         t1 = time.perf_counter()
         result = self.executor.execute(so)
         t2 = time.perf_counter()
-        outputs = self._process(so, result)
+        outputs = self._process(so, result, self.scheduler.update(so, result))
+        self._after_step(so, result, t1 - t0, t2)
+        return outputs
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        so = self.scheduler.schedule()  # while the previous step runs
+        schedule_s = time.perf_counter() - t0
+        previous, self._in_flight = self._in_flight, None
+        if previous is None and not so.requests:
+            return self._stuck()
+        changed = None
+        if previous is not None:
+            prev_so, future, prev_schedule_s = previous
+            result = future.result()
+            changed = self.scheduler.update(prev_so, result)
+        self.scheduler.resolve()
+        if so.requests:
+            self._in_flight = (so, self._worker.submit(self.executor.execute, so), schedule_s)
+        if previous is None:
+            return []
+        t2 = time.perf_counter()
+        outputs = self._process(prev_so, result, changed)
+        self._after_step(prev_so, result, prev_schedule_s, t2)
+        return outputs
+
+    def _stuck(self) -> list[RequestOutput]:
+        """Nothing could be scheduled: a waiting request that no free cache can hold is aborted."""
+        if self.scheduler.waiting and not self.scheduler.running:
+            stuck = self.scheduler.waiting[0]
+            logger.error("request %s cannot be scheduled (KV cache too small for it); aborting it",
+                         stuck.request_id)
+            self.scheduler.finish(stuck.request_id, "abort")
+            return self._outputs({self._children[stuck.request_id][0].request_id})
+        return []
+
+    def _after_step(self, so: SchedulerOutput, result: RunnerOutput, schedule_s: float, t_output: float) -> None:
         if self.kv_events is not None:
             self.kv_events.publish(self.kv.take_events())
         if self.profiler is not None:
-            self.profiler.record(len(so.requests), so.num_tokens, t1 - t0, result.timings, time.perf_counter() - t2)
-        return outputs
+            self.profiler.record(len(so.requests), so.num_tokens, schedule_s, result.timings,
+                                 time.perf_counter() - t_output)
 
-    def _process(self, so: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
-        """Apply a step's results: scheduler update, tokens to text, stop checks, outputs."""
-        changed = self.scheduler.update(so, result)
+    def _process(self, so: SchedulerOutput, result: RunnerOutput,
+                 changed: list[tuple[Request, list[int]]]) -> list[RequestOutput]:
+        """Turn a step's new tokens (from the scheduler's update) into text, stop checks, outputs."""
         touched: set[str] = set()
         now = time.monotonic()
         for request, tokens in changed:
+            if request.request_id not in self._children:  # aborted while the step ran
+                continue
             parent, child = self._children[request.request_id]
             if request.first_token_time is None:
                 request.first_token_time = now
+                if request.deadline is not None and now > request.deadline:
+                    self.scheduler.note_deadline_missed(request, now, "first token")
             for token in tokens:
                 self._process_token(child, token)
                 if child.final_text is not None:
@@ -288,12 +355,18 @@ class LLMEngine:
             num_prompt_tokens=len(parent.prompt_token_ids),
             num_generated_tokens=sum(len(c.request.output_token_ids) for c in parent.children),
             num_preemptions=sum(c.request.num_preemptions for c in parent.children),
-            num_cached_tokens=first.num_cached_tokens or 0)
+            num_cached_tokens=first.num_cached_tokens or 0,
+            ttft_slo_missed=any(c.request.ttft_slo_missed for c in parent.children))
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions,
                              parent.finished, metrics,
                              first.prompt_logprobs if parent.params.prompt_logprobs is not None else None)
 
     def shutdown(self) -> None:
+        if self._worker is not None:
+            if self._in_flight is not None:
+                self._in_flight[1].exception()  # let the running step end before the executor goes
+                self._in_flight = None
+            self._worker.shutdown()
         if self.profiler is not None:
             self.profiler.flush()
         if self.kv_events is not None:

@@ -16,6 +16,8 @@ class RequestMetrics:
     num_preemptions: int = 0
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache (OpenAI usage.prompt_tokens_details.cached_tokens)."""
+    ttft_slo_missed: bool = False
+    """The request asked for a first token within `ttft_slo_ms` and did not get it in time."""
 
     @property
     def ttft(self) -> float | None:

@@ -47,7 +47,16 @@ class Request:
     """Prompt tokens found in the prefix cache when the request was first scheduled."""
     num_prefill_chunks: int = 0
     """Prefill chunks scheduled after the first (for --chunked_match_frequency)."""
-    """Prompt tokens found in the prefix cache when the request was first scheduled."""
+    priority: int = 0
+    """--priority_strategy=priority: lower is served first (vLLM's convention); ties go by arrival."""
+    ttft_slo_ms: int | None = None
+    """Target time to first token: orders requests under --priority_strategy=deadline; a request whose
+    first token comes later is counted as a missed deadline under every strategy."""
+    ttft_slo_missed: bool = False
+    starved: bool = False
+    """Admitted because it had waited past the starvation threshold: not preempted for priority."""
+    num_pending: int = 0
+    """Tokens sampled by a step still in flight (--enable_schedule_overlap), not yet appended."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -62,12 +71,22 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def num_total_tokens(self) -> int:
+        """Tokens known plus those a step in flight will sample (the scheduler's view)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
     def num_uncomputed(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return self.num_total_tokens - self.num_computed_tokens
 
     @property
     def is_decoding(self) -> bool:
-        return bool(self.output_token_ids) and self.num_uncomputed == 1
+        return bool(self.output_token_ids or self.num_pending) and self.num_uncomputed == 1
+
+    @property
+    def deadline(self) -> float | None:
+        """Monotonic time by which the first token is due (arrival + ttft_slo_ms)."""
+        return None if self.ttft_slo_ms is None else self.arrival_time + self.ttft_slo_ms / 1000
 
     @property
     def finished(self) -> bool:

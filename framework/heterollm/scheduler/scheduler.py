@@ -3,25 +3,35 @@
 
 Every request carries `num_computed_tokens`; a step schedules `num_tokens - num_computed_tokens`
 (or a chunk of it) and the request samples once it has caught up. A prefill chunk, a decode and
-a resumed (preempted) request differ only in that count.
+a resumed (preempted) request differ only in that count. `schedule` advances the count at once and
+counts a token to be sampled as pending, so the next step can be scheduled while this one runs
+(`--enable_schedule_overlap`); `resolve` fills the pending input tokens in before that step runs.
+
+Which waiting request goes first and which running one yields is the policy's (policy.py).
 """
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
+from collections.abc import Callable
 
 from heterollm.config.scheduling import SchedulerConfig
 from heterollm.engine.request import Request, RequestRejected, RequestStatus
 from heterollm.interfaces import RunnerOutput, ScheduledRequest, SchedulerOutput
 from heterollm.kv_cache import KVCacheManager
+from heterollm.scheduler.policy import SchedulingPolicy
 
 logger = logging.getLogger("heterollm.scheduler")
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 in_batch_prefix_cache: bool = False) -> None:
+                 in_batch_prefix_cache: bool = False, policy: SchedulingPolicy | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self.policy = policy or SchedulingPolicy(config)
+        self.clock = clock
         self.in_batch_prefix_cache = in_batch_prefix_cache
         """Register the full blocks a step computes when it is scheduled, not after it ran, so later
         requests of the same step share them (`--enable_in_batch_prefix_cache`)."""
@@ -32,10 +42,12 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_since_last: list[str] = []
-        self._scheduled: dict[str, int] = {}
+        self._unresolved: list[tuple[ScheduledRequest, Request, int]] = []
         chunk = config.max_tokens_per_chunk_for_prefill
         self.chunk_size = min(chunk, config.max_tokens_per_batch) if chunk > 0 else config.max_tokens_per_batch
         self.num_preemptions = 0
+        self.num_deadline_missed = 0
+        """Requests that waited past their TTFT deadline before being admitted (reported once each)."""
 
     # -- admission -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -74,6 +86,7 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------------
     def _preempt(self, victim: Request) -> None:
+        """Free the victim's blocks; it goes back to waiting and recomputes when admitted again."""
         self.running.remove(victim)
         self.kv.free(victim.request_id)
         victim.num_computed_tokens = 0
@@ -88,11 +101,15 @@ class Scheduler:
         seq_budget = self.config.max_seqs_per_batch
         chunked = self.config.enable_chunked_prefill
         scheduled: dict[str, int] = {}
+        now = self.clock()
+        self._order_waiting(now)
 
         def try_waiting() -> None:
             nonlocal budget, seq_budget
             while self.waiting and budget > 0 and seq_budget > 0:
                 request = self.waiting[0]
+                if request.num_pending:  # preempted while its last step is in flight: wait for its token
+                    break
                 cached = self._match_prefix(request)
                 remaining = request.num_tokens - cached
                 num_new = min(remaining, budget, self.chunk_size) if chunked else remaining
@@ -104,6 +121,7 @@ class Scheduler:
                 if request.num_cached_tokens is None:
                     request.num_cached_tokens = cached
                 self.waiting.popleft()
+                request.starved = request.starved or self.policy.starving(request, now)
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 self._commit_now(request, num_new)
@@ -117,10 +135,12 @@ class Scheduler:
             if scheduled:
                 return self._build(scheduled)
 
-        # running: decodes first, then requests still prefilling in chunks
-        order = sorted(self.running, key=lambda r: not r.is_decoding)
+        # running: decodes first, then requests still prefilling in chunks (each by the policy's rank)
+        order = sorted(self.running, key=lambda r: (not r.is_decoding, self.policy.rank(r)))
         for request in order:
             if request.request_id in scheduled or request.status is not RequestStatus.RUNNING:
+                continue
+            if request.num_pending and self._ends_with_pending(request):
                 continue
             if budget <= 0 or seq_budget <= 0:
                 break
@@ -133,9 +153,10 @@ class Scheduler:
             if not chunked and num_new < remaining:
                 continue
             while self.kv.allocate(request.request_id, request.num_computed_tokens + num_new) is None:
-                victims = [r for r in reversed(self.running) if r.request_id not in scheduled and r is not request]
-                self._preempt(victims[0] if victims else request)
-                if not victims:
+                victim = self.policy.victim(r for r in self.running
+                                            if r.request_id not in scheduled and r is not request)
+                self._preempt(victim or request)
+                if victim is None:
                     break
             if request.status is not RequestStatus.RUNNING:
                 continue
@@ -147,6 +168,53 @@ class Scheduler:
         if self.config.enable_mix_batch or not scheduled:
             try_waiting()
         return self._build(scheduled)
+
+    def _order_waiting(self, now: float) -> None:
+        """Sort the waiting queue by the policy, report requests past their TTFT deadline, and under
+        `priority` preempt running requests of a worse priority that keep the head from running."""
+        if self.policy.fcfs and not any(r.ttft_slo_ms is not None for r in self.waiting):
+            return
+        for r in self.waiting:
+            if r.deadline is not None and now > r.deadline:
+                self.note_deadline_missed(r, now, "still waiting")
+        if self.policy.fcfs:
+            return
+        self._sort_waiting(now)
+        if self.policy.name == "priority" and self.waiting and self._preempt_for(self.waiting[0]):
+            self._sort_waiting(now)
+
+    def _sort_waiting(self, now: float) -> None:
+        ordered = list(self.waiting)
+        self.policy.sort_waiting(ordered, now)
+        self.waiting = deque(ordered)
+
+    def _preempt_for(self, head: Request) -> bool:
+        """Preempt running requests of a strictly worse priority until the head fits (slots, blocks)."""
+        preempted = False
+        while not head.num_pending:
+            room = len(self.running) < self.config.max_seqs_per_batch
+            if room and self._waiting_fits(head):
+                break
+            victim = self.policy.victim(self.running, worse_than=head)
+            if victim is None:
+                break
+            logger.debug("preempting %s (priority %d) for %s (priority %d)", victim.request_id, victim.priority,
+                         head.request_id, head.priority)
+            self._preempt(victim)
+            preempted = True
+        return preempted
+
+    def note_deadline_missed(self, r: Request, now: float, when: str) -> None:
+        if not r.ttft_slo_missed:
+            r.ttft_slo_missed = True
+            self.num_deadline_missed += 1
+            logger.warning("request %s misses its TTFT target of %d ms (%s after %.0f ms)", r.request_id,
+                           r.ttft_slo_ms, when, (now - r.arrival_time) * 1000)
+
+    def _ends_with_pending(self, r: Request) -> bool:
+        """Whether the token in flight is the request's last one (max_tokens or the context length)."""
+        max_tokens = r.params.max_tokens or 1 << 30
+        return len(r.output_token_ids) + r.num_pending >= max_tokens or r.num_total_tokens >= self.max_model_len
 
     def _match_prefix(self, request: Request) -> int:
         """Tokens of a waiting request already in the prefix cache (0 when it is off, the request
@@ -176,39 +244,53 @@ class Scheduler:
         step writes all its new K/V before any attention reads the cache, so later requests of the
         same step may already share them."""
         end = request.num_computed_tokens + num_new
-        if self.in_batch_prefix_cache and self.kv.commit_due(request.request_id, end):
+        if self.in_batch_prefix_cache and end <= request.num_tokens and self.kv.commit_due(request.request_id, end):
             self.kv.commit(request.request_id, request.all_token_ids, end)
 
     def _decoding(self, scheduled: dict[str, int]) -> bool:
         first = next(iter(scheduled))
         return self.requests[first].is_decoding
 
-    def _waiting_fits(self) -> bool:
-        request = self.waiting[0]
+    def _waiting_fits(self, request: Request | None = None) -> bool:
+        request = request or self.waiting[0]
         num = request.num_uncomputed
         if self.config.enable_chunked_prefill:
             num = min(num, self.chunk_size, self.config.max_tokens_per_batch)
         return self.kv.can_allocate(request.request_id, request.num_computed_tokens + num)
 
     def _build(self, scheduled: dict[str, int]) -> SchedulerOutput:
-        self._scheduled = scheduled
+        """The step's batch; each request's computed count advances now, its sample becomes pending."""
         items = []
         for request_id, num_new in scheduled.items():
             r = self.requests[request_id]
             start = r.num_computed_tokens
             tokens = r.all_token_ids[start:start + num_new]
-            sample = start + num_new == r.num_tokens
-            items.append(ScheduledRequest(
+            sample = start + num_new == r.num_total_tokens
+            item = ScheduledRequest(
                 request_id=request_id, new_token_ids=tokens, num_computed_tokens=start,
                 block_ids=list(self.kv.tables[request_id]), sample=sample, sampling=r,
                 output_token_ids=r.output_token_ids, prompt_token_ids=r.prompt_token_ids,
                 want_prompt_logprobs=r.params.prompt_logprobs is not None and start < r.num_prompt_tokens
-                and r.num_preemptions == 0))
+                and r.num_preemptions == 0)
+            items.append(item)
+            if len(tokens) < num_new:  # the input is a token the step in flight samples
+                self._unresolved.append((item, r, num_new))
+            r.num_computed_tokens = start + num_new
+            r.num_pending += sample
         finished, self._finished_since_last = self._finished_since_last, []
         return SchedulerOutput(items, finished)
 
+    def resolve(self) -> None:
+        """Fill in the input tokens that were pending when the step was scheduled (call after the
+        update of the step that sampled them, before the step runs)."""
+        for item, r, num_new in self._unresolved:
+            start = item.num_computed_tokens
+            item.new_token_ids = r.all_token_ids[start:start + num_new]
+        self._unresolved = []
+
     def update(self, output: SchedulerOutput, result: RunnerOutput) -> list[tuple[Request, list[int]]]:
-        """Advance computed counts and append sampled tokens; returns (request, new tokens) pairs."""
+        """Append a step's sampled tokens and cache the blocks it completed; returns (request, new
+        tokens) pairs."""
         sampled = dict(zip(result.request_ids, zip(result.sampled_token_ids, result.logprobs,
                                                     result.prompt_logprobs)))
         changed = []
@@ -216,9 +298,11 @@ class Scheduler:
             r = self.requests.get(item.request_id)
             if r is None:
                 continue
-            r.num_computed_tokens += len(item.new_token_ids)
-            if self.kv.commit_due(r.request_id, r.num_computed_tokens):
-                self.kv.commit(r.request_id, r.all_token_ids, r.num_computed_tokens)
+            r.num_pending -= item.sample
+            end = item.num_computed_tokens + len(item.new_token_ids)
+            if (r.status is RequestStatus.RUNNING and r.num_computed_tokens >= end
+                    and self.kv.commit_due(r.request_id, end)):
+                self.kv.commit(r.request_id, r.all_token_ids, end)
             tokens, lps, plps = sampled.get(item.request_id, ([], None, None))
             if plps is not None:
                 r.prompt_logprobs = (r.prompt_logprobs or [None]) + plps

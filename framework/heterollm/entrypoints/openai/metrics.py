@@ -26,6 +26,8 @@ class ServerMetrics:
                                          labels, registry=r)
         self.aborts = Counter("heterollm_request_aborts", "Requests aborted before they finished (the client went "
                               "away, or its answer could not be delivered).", labels, registry=r)
+        self.ttft_slo_missed = Counter("heterollm_ttft_slo_missed", "Finished requests that asked for a first "
+                                       "token within ttft_slo_ms and got it later.", labels, registry=r)
         self.preemptions = Counter("heterollm_num_preemptions", "Preemptions (recompute) of finished requests.",
                                    labels, registry=r)
         self.ttft = Histogram("heterollm_time_to_first_token_seconds", "Arrival to first generated token.",
@@ -34,7 +36,7 @@ class ServerMetrics:
                               "the first.", labels, buckets=_PER_TOKEN, registry=r)
         self.e2e = Histogram("heterollm_e2e_request_latency_seconds", "Arrival to the last token.", labels,
                              buckets=_LATENCY, registry=r)
-        for metric in (self.aborts, self.prompt_tokens, self.generation_tokens, self.preemptions, self.ttft, self.tpot,
+        for metric in (self.aborts, self.ttft_slo_missed, self.prompt_tokens, self.generation_tokens, self.preemptions, self.ttft, self.tpot,
                        self.e2e):
             metric.labels(model_name)  # exported as 0 from the start, so rates work before the first request
         gauges = {
@@ -61,6 +63,8 @@ class ServerMetrics:
         self.prompt_tokens.labels(name).inc(m.num_prompt_tokens)
         self.generation_tokens.labels(name).inc(m.num_generated_tokens)
         self.preemptions.labels(name).inc(m.num_preemptions)
+        if m.ttft_slo_missed:
+            self.ttft_slo_missed.labels(name).inc()
         if m.ttft is not None:
             self.ttft.labels(name).observe(m.ttft)
         if m.tpot is not None:

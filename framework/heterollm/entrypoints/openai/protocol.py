@@ -57,6 +57,11 @@ class _SamplingFields(_Body):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
+    priority: int = 0
+    """vLLM's field: lower is served first (needs --priority_strategy=priority)."""
+    ttft_slo_ms: int | None = None
+    """xLLM's field: the time to first token this request wants (the deadline under
+    --priority_strategy=deadline; a later first token counts as a missed deadline)."""
 
     def check_common(self) -> None:
         if self.logit_bias:

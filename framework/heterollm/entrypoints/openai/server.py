@@ -254,7 +254,7 @@ class OpenAIServer:
 
     # -- generation ------------------------------------------------------------------------
     async def _admit(self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
-                     request_id: str) -> list[RequestStream]:
+                     request_id: str, body: Any) -> list[RequestStream]:
         streams: list[RequestStream] = []
         try:
             for i, (text, ids) in enumerate(prompts):
@@ -263,7 +263,8 @@ class OpenAIServer:
                 p = SamplingParams(**{**params.__dict__})
                 streams.append(await self.async_engine.add(text if text is not None else ids, p, rid,
                                                            prompt_token_ids=ids,
-                                                           first_output_timeout=self.settings.max_waiting_time))
+                                                           first_output_timeout=self.settings.max_waiting_time,
+                                                           priority=body.priority, ttft_slo_ms=body.ttft_slo_ms))
         except BaseException:
             for s in streams:
                 s.close()
@@ -328,7 +329,7 @@ class OpenAIServer:
         want_prompt_lps = body.logprobs if body.echo and body.logprobs is not None else None
         params = body.sampling_params(self.defaults, max_tokens, body.logprobs, want_prompt_lps, "logprobs")
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self._admit(prompts, params, request_id)
+        streams = await self._admit(prompts, params, request_id, body)
         ctx = _Ctx(self, request_id, "text_completion", body, prompts, streams, body.logprobs)
         if body.stream:
             return self._sse(ctx.stream_completion(), streams)
@@ -347,7 +348,7 @@ class OpenAIServer:
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(self.defaults, max_tokens, top, None, "top_logprobs")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self._admit([(None, ids)], params, request_id)
+        streams = await self._admit([(None, ids)], params, request_id, body)
         ctx = _Ctx(self, request_id, "chat.completion", body, [(None, ids)], streams, top)
         if body.stream:
             return self._sse(ctx.stream_chat(), streams)

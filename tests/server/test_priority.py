@@ -1,0 +1,22 @@
+"""Request fields `priority` and `ttft_slo_ms` over HTTP: accepted under the matching strategy,
+counted on /metrics when a deadline is missed."""
+from __future__ import annotations
+
+import httpx
+
+from conftest import MODEL, make_engine, serving
+
+
+def test_priority_and_deadline_fields(tiny_llama):
+    with serving(make_engine(tiny_llama, priority_strategy="priority")) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as http:
+        body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0}
+        plain = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        urgent = http.post("/v1/completions", json={**body, "priority": -5}).json()["choices"][0]["text"]
+        assert urgent == plain
+        # a target no request can meet: answered all the same, and counted
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "ttft_slo_ms": 1,
+                                                    "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
+        metrics = http.get("/metrics").text
+        assert f'heterollm_ttft_slo_missed_total{{model_name="{MODEL}"}} 1.0' in metrics
