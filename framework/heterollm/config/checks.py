@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from heterollm.config.cache import kv_events_port_problems, parse_kv_events_config
+from heterollm.config.base import INT32_MAX
 from heterollm.config.schema import HeterollmConfig
 
 
@@ -14,6 +15,15 @@ def check_flag_combinations(config: HeterollmConfig) -> list[str]:
             if getattr(sched, name) != 1.0:
                 problems.append(f"--{name}={getattr(sched, name)}: tunes starvation prevention, which only "
                                 f"--priority_strategy=priority or deadline needs (fcfs cannot starve a request)")
+    prof = config.profile
+    if not prof.enable_latency_aware_schedule:
+        for name, default in (("max_global_tpot_ms", INT32_MAX), ("profile_max_prompt_length", 2048)):
+            if getattr(prof, name) != default:
+                problems.append(f"--{name}={getattr(prof, name)}: only --enable_latency_aware_schedule uses it "
+                                f"(set that too)")
+    elif prof.max_global_tpot_ms >= INT32_MAX:
+        problems.append("--enable_latency_aware_schedule: needs --max_global_tpot_ms, the TPOT target it keeps "
+                        "running decodes within")
     if config.kv_cache.kv_events_config:
         events = parse_kv_events_config(config.kv_cache.kv_events_config)
         problems += kv_events_port_problems(events, config.parallel.dp_size)

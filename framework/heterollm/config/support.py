@@ -73,7 +73,7 @@ _planned("dp_size ep_size cp_size kv_split_size tp_size health_check_interval_ms
          "redundant_experts_num eplb_update_interval expert_parallel_degree enable_expert_parallel "
          "enable_dp_fair_token_budget", "the parallelism issue")
 _planned("enable_graph enable_graph_mode_decode_no_padding max_tokens_for_graph_mode graph_optimization_config "
-         "enable_shm use_contiguous_input_buffer input_shm_size output_shm_size enable_schedule_overlap",
+         "enable_shm use_contiguous_input_buffer input_shm_size output_shm_size",
          "the accelerator backends issue")
 _planned("draft_model num_speculative_tokens speculative_algorithm speculative_suffix_cache_max_depth "
          "speculative_suffix_max_cached_requests speculative_suffix_use_tree_spec enable_probabilistic_draft "
@@ -86,8 +86,7 @@ _planned("enable_disagg_pd disagg_pd_port instance_role kv_cache_transfer_mode t
          "kv_push_dst_rotate splitwise_role innode_prefill_ports", "PD disaggregation")
 _planned("etcd_addr etcd_namespace enable_service_routing xservice_rpc_protocol xservice_address heart_beat_interval "
          "etcd_ttl", "service discovery")
-_planned("enable_profile_token_budget enable_latency_aware_schedule "
-         "profile_max_prompt_length max_global_ttft_ms max_global_tpot_ms enable_profile_kv_blocks "
+_planned("enable_profile_token_budget enable_profile_kv_blocks "
          "disable_ttft_profiling enable_online_profile profile_backend profile_dir", "profiling")
 _planned("indexer_cache_dtype max_linear_state_cache_slots phy_page_granularity_size enable_dsa_multi_stream",
          "models with indexer / linear-attention caches")

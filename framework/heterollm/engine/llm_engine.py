@@ -10,10 +10,13 @@ import logging
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
 from dataclasses import dataclass, field
 from typing import Any
 
 from heterollm.config import HeterollmConfig
+from heterollm.config.base import INT32_MAX
 from heterollm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from heterollm.engine.request import Request, RequestRejected
 from heterollm.engine.step_profiler import StepProfiler
@@ -24,6 +27,7 @@ from heterollm.model_executor.loader import resolve_model
 from heterollm.model_executor.runner import LaunchContext, resolve_dtype
 from heterollm.sampling import SamplingParams
 from heterollm.scheduler import Scheduler
+from heterollm.scheduler.latency import LatencyTargets, StepTimeModel
 from heterollm.scheduler.policy import SchedulingPolicy
 from heterollm.tokenizer import IncrementalDetokenizer, load_tokenizer
 
@@ -109,7 +113,8 @@ class LLMEngine:
                                  idle_limit=idle_limit)
         self.scheduler = Scheduler(config.scheduler, self.kv, max_len,
                                    in_batch_prefix_cache=kvc.enable_prefix_cache and kvc.enable_in_batch_prefix_cache,
-                                   policy=SchedulingPolicy(config.scheduler, config.profile.max_global_ttft_ms))
+                                   policy=SchedulingPolicy(config.scheduler, config.profile.max_global_ttft_ms),
+                                   latency=self._latency_targets(config))
         self._worker = (ThreadPoolExecutor(1, thread_name_prefix="heterollm-step")
                         if config.scheduler.enable_schedule_overlap else None)
         """--enable_schedule_overlap: runs the executor's steps; None runs them inline."""
@@ -117,6 +122,40 @@ class LLMEngine:
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, tuple[_Parent, _Child]] = {}
         self.profiler = StepProfiler() if config.profile.enable_profile_step_time else None
+        if self.scheduler.latency is not None:
+            if self.profiler is not None:
+                self.profiler.model = self.scheduler.latency.model
+            self._profile_step_time()
+
+    @staticmethod
+    def _latency_targets(config: HeterollmConfig) -> LatencyTargets | None:
+        prof = config.profile
+        if not prof.enable_latency_aware_schedule:
+            return None
+        ttft = prof.max_global_ttft_ms if prof.max_global_ttft_ms < INT32_MAX else None
+        return LatencyTargets(StepTimeModel(), prof.max_global_tpot_ms, ttft)
+
+    def _profile_step_time(self) -> None:
+        """Seed the step-time model: prefills of growing length up to --profile_max_prompt_length,
+        then decode batches of growing size, with random tokens, before any request is admitted."""
+        t0 = time.perf_counter()
+        cfg = self.config.scheduler
+        longest = min(self.config.profile.profile_max_prompt_length, cfg.max_tokens_per_batch, self.max_model_len - 2,
+                      self.scheduler.chunk_size)
+        gen = torch.Generator().manual_seed(0)
+        sizes = sorted({max(1, longest >> k) for k in range(0, 10, 2)})
+        batches = [[(n, 1)] for n in sizes] + [[(32, 4)] * b for b in (1, 4, 16) if b <= cfg.max_seqs_per_batch]
+        for batch in batches:
+            ids = [self.add_request(torch.randint(3, self.vocab_size, (n,), generator=gen).tolist(),
+                                    SamplingParams(max_tokens=m, temperature=0, ignore_eos=True),
+                                    request_id=f"__profile-{uuid.uuid4().hex}") for n, m in batch]
+            while any(self.is_unfinished(i) for i in ids):
+                self.step()
+        self.kv.reset_counters()
+        if self.kv_events is not None:
+            self.kv.take_events()
+        logger.info("latency-aware scheduling: profiled %d steps in %.1f s; %s", len(self.scheduler.latency.model.samples),
+                    time.perf_counter() - t0, self.scheduler.latency.model.describe())
 
     # -- requests --------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
@@ -215,11 +254,16 @@ class LLMEngine:
         if not so.requests:
             return self._stuck()
         t1 = time.perf_counter()
-        result = self.executor.execute(so)
+        result, run_s = self._execute(so)
         t2 = time.perf_counter()
         outputs = self._process(so, result, self.scheduler.update(so, result))
-        self._after_step(so, result, t1 - t0, t2)
+        self._after_step(so, result, t1 - t0, t2, run_s)
         return outputs
+
+    def _execute(self, so: SchedulerOutput) -> tuple[RunnerOutput, float]:
+        t = time.perf_counter()
+        result = self.executor.execute(so)
+        return result, time.perf_counter() - t
 
     def _step_overlapped(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
@@ -231,16 +275,16 @@ class LLMEngine:
         changed = None
         if previous is not None:
             prev_so, future, prev_schedule_s = previous
-            result = future.result()
+            result, run_s = future.result()
             changed = self.scheduler.update(prev_so, result)
         self.scheduler.resolve()
         if so.requests:
-            self._in_flight = (so, self._worker.submit(self.executor.execute, so), schedule_s)
+            self._in_flight = (so, self._worker.submit(self._execute, so), schedule_s)
         if previous is None:
             return []
         t2 = time.perf_counter()
         outputs = self._process(prev_so, result, changed)
-        self._after_step(prev_so, result, prev_schedule_s, t2)
+        self._after_step(prev_so, result, prev_schedule_s, t2, run_s)
         return outputs
 
     def _stuck(self) -> list[RequestOutput]:
@@ -253,7 +297,11 @@ class LLMEngine:
             return self._outputs({self._children[stuck.request_id][0].request_id})
         return []
 
-    def _after_step(self, so: SchedulerOutput, result: RunnerOutput, schedule_s: float, t_output: float) -> None:
+    def _after_step(self, so: SchedulerOutput, result: RunnerOutput, schedule_s: float, t_output: float,
+                    run_s: float) -> None:
+        if self.scheduler.latency is not None:
+            self.scheduler.latency.model.observe(
+                [(len(r.new_token_ids), r.num_computed_tokens) for r in so.requests], run_s)
         if self.kv_events is not None:
             self.kv_events.publish(self.kv.take_events())
         if self.profiler is not None:

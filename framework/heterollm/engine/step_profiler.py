@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 logger = logging.getLogger("heterollm.profile")
 
@@ -36,6 +37,8 @@ class StepProfiler:
     records: list[StepRecord] = field(default_factory=list)
     """The current window's steps."""
     num_steps: int = 0
+    model: Any = None
+    """The latency-aware scheduler's step-time model, described in each summary when there is one."""
 
     def record(self, num_seqs: int, num_tokens: int, schedule: float, runner: dict[str, float], output: float) -> None:
         seconds = {"schedule": schedule, **{k: runner.get(k, 0.0) for k in ("prepare", "forward", "sample")},
@@ -62,6 +65,8 @@ class StepProfiler:
                 tokens = sum(r.num_tokens for r in recs) / len(recs)
                 parts.append(f"{label} x{len(recs)} ({seqs:.1f} seqs, {tokens:.0f} tokens): "
                              f"{1000 * sum(mean.values()):.1f} ms = {_fmt(mean)}")
+        if self.model is not None:
+            parts.append(self.model.describe())
         logger.info("step time: %s", "; ".join(parts))
         self.records.clear()
 

@@ -153,6 +153,10 @@ class KVCacheManager:
         if record_events:
             self.pool.events = []
 
+    def reset_counters(self) -> None:
+        """Forget the lookups so far (the engine's start-up profile is not traffic)."""
+        self.queries = self.hits = 0
+
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free

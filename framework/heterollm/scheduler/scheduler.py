@@ -20,6 +20,7 @@ from heterollm.config.scheduling import SchedulerConfig
 from heterollm.engine.request import Request, RequestRejected, RequestStatus
 from heterollm.interfaces import RunnerOutput, ScheduledRequest, SchedulerOutput
 from heterollm.kv_cache import KVCacheManager
+from heterollm.scheduler.latency import LatencyTargets
 from heterollm.scheduler.policy import SchedulingPolicy
 
 logger = logging.getLogger("heterollm.scheduler")
@@ -28,8 +29,10 @@ logger = logging.getLogger("heterollm.scheduler")
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  in_batch_prefix_cache: bool = False, policy: SchedulingPolicy | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, latency: LatencyTargets | None = None) -> None:
         self.config = config
+        self.latency = latency
+        """--enable_latency_aware_schedule: prefill chunks are held back to keep running decodes' TPOT."""
         self.policy = policy or SchedulingPolicy(config)
         self.clock = clock
         self.in_batch_prefix_cache = in_batch_prefix_cache
@@ -101,8 +104,17 @@ class Scheduler:
         seq_budget = self.config.max_seqs_per_batch
         chunked = self.config.enable_chunked_prefill
         scheduled: dict[str, int] = {}
+        shape: list[tuple[int, int]] = []  # (tokens, cached context) of each request scheduled so far
         now = self.clock()
         self._order_waiting(now)
+        protect = self.latency is not None and any(r.is_decoding for r in self.running)
+
+        def fit(request: Request, num_new: int, ctx: int) -> int:
+            """The prefill tokens the TPOT target leaves room for (all of them when not protecting)."""
+            if not protect or self.latency.ttft_at_risk(now - request.arrival_time, request.num_total_tokens - ctx,
+                                                        ctx, request.ttft_slo_ms):
+                return num_new
+            return self.latency.cap(shape, num_new, ctx, chunked)
 
         def try_waiting() -> None:
             nonlocal budget, seq_budget
@@ -115,6 +127,9 @@ class Scheduler:
                 num_new = min(remaining, budget, self.chunk_size) if chunked else remaining
                 if num_new > budget:  # only without chunking: the whole prompt must fit this step
                     break
+                num_new = fit(request, num_new, cached)
+                if num_new == 0:
+                    break
                 if self.kv.allocate(request.request_id, cached + num_new) is None:
                     break
                 request.num_computed_tokens = cached
@@ -126,6 +141,7 @@ class Scheduler:
                 self.running.append(request)
                 self._commit_now(request, num_new)
                 scheduled[request.request_id] = num_new
+                shape.append((num_new, cached))
                 budget -= num_new
                 seq_budget -= 1
 
@@ -152,6 +168,10 @@ class Scheduler:
             num_new = min(remaining, budget, self.chunk_size if not request.is_decoding else remaining)
             if not chunked and num_new < remaining:
                 continue
+            if not request.is_decoding:
+                num_new = fit(request, num_new, request.num_computed_tokens)
+                if num_new == 0:
+                    continue
             while self.kv.allocate(request.request_id, request.num_computed_tokens + num_new) is None:
                 victim = self.policy.victim(r for r in self.running
                                             if r.request_id not in scheduled and r is not request)
@@ -162,6 +182,7 @@ class Scheduler:
                 continue
             self._commit_now(request, num_new)
             scheduled[request.request_id] = num_new
+            shape.append((num_new, request.num_computed_tokens))
             budget -= num_new
             seq_budget -= 1
 
@@ -270,8 +291,8 @@ class Scheduler:
                 request_id=request_id, new_token_ids=tokens, num_computed_tokens=start,
                 block_ids=list(self.kv.tables[request_id]), sample=sample, sampling=r,
                 output_token_ids=r.output_token_ids, prompt_token_ids=r.prompt_token_ids,
-                want_prompt_logprobs=r.params.prompt_logprobs is not None and start < r.num_prompt_tokens
-                and r.num_preemptions == 0)
+                want_prompt_logprobs=r.params.prompt_logprobs is not None
+                and start < r.num_prompt_tokens - 1 and min(start + num_new, r.num_prompt_tokens - 1) >= self._have(r))
             items.append(item)
             if len(tokens) < num_new:  # the input is a token the step in flight samples
                 self._unresolved.append((item, r, num_new))
@@ -279,6 +300,11 @@ class Scheduler:
             r.num_pending += sample
         finished, self._finished_since_last = self._finished_since_last, []
         return SchedulerOutput(items, finished)
+
+    @staticmethod
+    def _have(r: Request) -> int:
+        """The next prompt position whose logprob is still missing."""
+        return len(r.prompt_logprobs) if r.prompt_logprobs else 1
 
     def resolve(self) -> None:
         """Fill in the input tokens that were pending when the step was scheduled (call after the
@@ -304,8 +330,8 @@ class Scheduler:
                     and self.kv.commit_due(r.request_id, end)):
                 self.kv.commit(r.request_id, r.all_token_ids, end)
             tokens, lps, plps = sampled.get(item.request_id, ([], None, None))
-            if plps is not None:
-                r.prompt_logprobs = (r.prompt_logprobs or [None]) + plps
+            if plps is not None:  # after a preemption, the recomputed chunks repeat positions already had
+                r.prompt_logprobs = (r.prompt_logprobs or [None]) + plps[self._have(r) - item.num_computed_tokens - 1:]
             if tokens:
                 r.output_token_ids.extend(tokens)
                 if lps:

@@ -1,5 +1,5 @@
-"""Request fields `priority` and `ttft_slo_ms` over HTTP: accepted under the matching strategy,
-counted on /metrics when a deadline is missed."""
+"""Scheduling over HTTP: the request fields `priority` and `ttft_slo_ms` (accepted under the matching strategy,
+missed deadlines counted on /metrics) and a server with --enable_schedule_overlap."""
 from __future__ import annotations
 
 import httpx
@@ -20,3 +20,18 @@ def test_priority_and_deadline_fields(tiny_llama):
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
         metrics = http.get("/metrics").text
         assert f'heterollm_ttft_slo_missed_total{{model_name="{MODEL}"}} 1.0' in metrics
+
+
+def test_overlapped_server_answers_like_the_plain_one(tiny_llama):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def answers(**flags):
+        with serving(make_engine(tiny_llama, **flags)) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+            def one(i):
+                body = {"model": MODEL, "prompt": list(range(5, 9 + i)), "max_tokens": 4 + i, "temperature": 0,
+                        "ignore_eos": True}
+                return http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+            with ThreadPoolExecutor(8) as pool:
+                return list(pool.map(one, range(8)))
+
+    assert answers(enable_schedule_overlap=True) == answers()
