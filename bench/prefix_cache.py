@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--configs", default="off,on,in-batch")
+    ap.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has it), float32, bfloat16")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
@@ -53,7 +54,7 @@ def main() -> None:
 
     rows, reference = [], None
     for name in args.configs.split(","):
-        llm = LLM(args.model, block_size=args.block_size, **CONFIGS[name])
+        llm = LLM(args.model, block_size=args.block_size, dtype=args.dtype, **CONFIGS[name])
         llm.generate([[rng.randrange(1000, 40000) for _ in range(64)]], SamplingParams(max_tokens=4))  # warm-up
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
@@ -64,7 +65,9 @@ def main() -> None:
         rows.append({"config": name, "wall_s": wall, "out_tok_s": sum(map(len, toks)) / wall,
                      "ttft_mean_ms": 1000 * statistics.mean(ttfts), "ttft_p50_ms": 1000 * statistics.median(ttfts),
                      "cached": sum(o.metrics.num_cached_tokens for o in outs) / sum(map(len, prompts)),
-                     "same": sum(t == r for t, r in zip(toks, reference))})
+                     "same": sum(t == r for t, r in zip(toks, reference)),
+                     "first_diff": min((next(i for i, (a, b) in enumerate(zip(t + [-1], r + [-2])) if a != b)
+                                        for t, r in zip(toks, reference) if t != r), default=None)})
         llm.engine.shutdown()
         del llm
         gc.collect()
@@ -79,9 +82,13 @@ def main() -> None:
         rows, [("config", "config", 0), ("wall_s", "wall s", 2), ("out_tok_s", "out tok/s", 1),
                ("ttft_mean_ms", "TTFT mean ms", 0), ("ttft_p50_ms", "TTFT p50 ms", 0),
                ("cached", "% prompt cached", 1), ("same", f"same/{args.requests}", 0),
+               ("first_diff", "1st diff at", 0),
                ("x_tput", "x tput", 2), ("x_ttft", "x TTFT", 2)],
         notes=[f"x tput / x TTFT: throughput over {base['config']}'s, {base['config']}'s mean TTFT over the row's "
-               "(> 1: better)"])
+               "(> 1: better)",
+               f"same: greedy tokens equal to {base['config']}'s; 1st diff at: the earliest output position where "
+               "one differs (in bf16 a cached prefix is summed in another order than a one-piece prefill, so "
+               "near-ties may flip; float32 does not)"])
     common.write_json(args.json, {"machine": common.machine_info(), "rows": rows, "args": vars(args)})
 
 

@@ -190,3 +190,29 @@ def test_model_errors_name_the_path(tiny, tmp_path, breakage, needle):
     with pytest.raises(ConfigError) as info:
         LLM(str(folder), dtype="float32", num_gpu_blocks_override=16)
     assert needle in str(info.value) and str(folder.name) in str(info.value)
+
+
+def test_prompt_logprobs_survive_a_preemption_mid_prefill(tiny):
+    """A chunked prefill preempted after some chunks recomputes from the start: its prompt logprobs
+    are neither cut short nor repeated."""
+    prompt = list(range(5, 85))
+    p = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1, ignore_eos=True)
+    roomy = LLM(str(tiny), dtype="float32", block_size=4, num_gpu_blocks_override=200, max_model_len=128)
+    [want] = roomy.generate([prompt], p)
+    roomy.shutdown()
+    tight = LLM(str(tiny), dtype="float32", block_size=4, num_gpu_blocks_override=26, max_model_len=128,
+                max_tokens_per_chunk_for_prefill=16, priority_strategy="priority")
+    engine = tight.engine
+    rid = engine.add_request(prompt, p, priority=5)
+    engine.step(), engine.step()  # two chunks in: 8 of 26 blocks
+    hog = engine.add_request(list(range(7, 90)), SamplingParams(max_tokens=4, ignore_eos=True), priority=0)
+    outs = {}
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    got = outs[rid]
+    assert got.metrics.num_preemptions >= 1 and hog in outs
+    assert len(got.prompt_logprobs) == len(prompt) == len(want.prompt_logprobs)
+    assert [lp and lp.token_id for lp in got.prompt_logprobs] == [lp and lp.token_id for lp in want.prompt_logprobs]
+    assert [lp.logprob for lp in got.prompt_logprobs[1:]] == pytest.approx(
+        [lp.logprob for lp in want.prompt_logprobs[1:]], abs=1e-4)
+    tight.shutdown()

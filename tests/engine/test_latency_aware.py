@@ -18,9 +18,10 @@ from heterollm.scheduler.latency import LatencyTargets, StepTimeModel, step_feat
 
 
 def true_time(shape):
-    """A made-up executor: 2 ms a step, 0.05 ms a token, 0.3 ms a sequence, 0.01 ms per 1000 pairs."""
+    """A made-up executor: 2 ms a step, 0.05 ms a token, 0.3 ms a sequence, 0.01 ms per 1000 pairs,
+    1 ms more when it has a prefill chunk."""
     x = step_features(shape)
-    return (2 * x[0] + 0.05 * x[1] + 0.3 * x[2] + 0.01 * x[3]) / 1000
+    return (2 * x[0] + 0.05 * x[1] + 0.3 * x[2] + 0.01 * x[3] + 1.0 * x[4]) / 1000
 
 
 SHAPES = [[(n, 0)] for n in (8, 64, 256, 1024)] + [[(1, c)] * b for b in (1, 4, 16) for c in (16, 200)] + \
@@ -37,9 +38,9 @@ def fitted() -> StepTimeModel:
 
 def test_model_recovers_a_linear_step_time():
     model = fitted()
-    assert model.coef == pytest.approx([0.002, 0.00005, 0.0003, 0.00001], rel=1e-6, abs=1e-9)
+    assert model.coef == pytest.approx([0.002, 0.00005, 0.0003, 0.00001, 0.001], rel=1e-6, abs=1e-9)
     assert model.predict([(1, 50)] * 8 + [(300, 20)]) == pytest.approx(true_time([(1, 50)] * 8 + [(300, 20)]))
-    assert "t_ms = 2 + 0.05*tokens + 0.3*seqs + 0.01*kpairs" in model.describe()
+    assert "t_ms = 2 + 0.05*tokens + 0.3*seqs + 0.01*kpairs + 1*prefill" in model.describe()
 
 
 def test_model_keeps_coefficients_non_negative_and_waits_for_data():
@@ -97,7 +98,7 @@ def test_prefill_is_shortened_to_keep_the_tpot_target():
 
 
 def test_prefill_is_held_back_when_even_a_small_chunk_breaks_the_target():
-    s = make(tpot_ms=4)  # decodes alone take ~3.2 ms: a 16-token chunk would break 4 ms
+    s = make(tpot_ms=5)  # decodes alone take ~3.2 ms, 4.2 with a prefill: a 16-token chunk would break 5 ms
     running_decodes(s)
     s.add(req("long", 2000))
     assert "long" not in step(s)
@@ -105,7 +106,7 @@ def test_prefill_is_held_back_when_even_a_small_chunk_breaks_the_target():
 
 
 def test_ttft_at_risk_admits_the_prefill_whole():
-    s = make(tpot_ms=4, ttft_ms=10)  # a 2000-token prefill alone is predicted at > 10 ms
+    s = make(tpot_ms=5, ttft_ms=10)  # a 2000-token prefill alone is predicted at > 10 ms
     running_decodes(s)
     s.add(req("long", 2000))
     assert step(s)["long"] == 2000

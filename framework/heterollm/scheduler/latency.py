@@ -2,10 +2,12 @@
 
 A step's executor time is modelled as linear in its shape:
 
-    t = c0 + c1 * tokens + c2 * seqs + c3 * attention_pairs / 1000
+    t = c0 + c1 * tokens + c2 * seqs + c3 * attention_pairs / 1000 + c4 * has_prefill
 
 where `attention_pairs` sums, over the step's requests, query tokens x the keys each attends to
-(a decode at context L: L; a prefill chunk of q tokens after p cached ones: q * (p + (q + 1) / 2)).
+(a decode at context L: L; a prefill chunk of q tokens after p cached ones: q * (p + (q + 1) / 2)),
+and `has_prefill` is 1 for a step with any prefill chunk (backends often run decode-only steps on
+a faster path, e.g. the CPU attention's or a captured graph).
 It is fitted by least squares on the last `window` measured steps (a start-up profile seeds it),
 with coefficients kept non-negative so a prediction never falls as a step grows.
 
@@ -20,19 +22,20 @@ from collections.abc import Iterable
 
 import torch
 
-NAMES = ("1", "tokens", "seqs", "kpairs")
+NAMES = ("1", "tokens", "seqs", "kpairs", "prefill")
 MIN_STEPS = 8
 """Measured steps (of at least two shapes) before the model predicts anything."""
 
 
 def step_features(shape: Iterable[tuple[int, int]]) -> list[float]:
     """(query tokens, cached context) per request -> the model's feature vector."""
-    tokens = seqs = pairs = 0.0
+    tokens = seqs = pairs = prefill = 0.0
     for q, ctx in shape:
         tokens += q
         seqs += 1
         pairs += q * (ctx + (q + 1) / 2)
-    return [1.0, tokens, seqs, pairs / 1000]
+        prefill = max(prefill, float(q > 1))
+    return [1.0, tokens, seqs, pairs / 1000, prefill]
 
 
 class StepTimeModel:
