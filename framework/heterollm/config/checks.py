@@ -15,6 +15,11 @@ def check_flag_combinations(config: HeterollmConfig) -> list[str]:
             if getattr(sched, name) != 1.0:
                 problems.append(f"--{name}={getattr(sched, name)}: tunes starvation prevention, which only "
                                 f"--priority_strategy=priority or deadline needs (fcfs cannot starve a request)")
+    dist, tp = config.distributed, config.parallel.tp_size
+    if tp % dist.nnodes:
+        problems.append(f"--nnodes={dist.nnodes}: must divide --tp_size={tp} (each node runs tp_size / nnodes ranks)")
+    if dist.node_rank >= dist.nnodes:
+        problems.append(f"--node_rank={dist.node_rank}: must be below --nnodes={dist.nnodes}")
     prof = config.profile
     if not prof.enable_latency_aware_schedule:
         for name, default in (("max_global_tpot_ms", INT32_MAX), ("profile_max_prompt_length", 2048)):

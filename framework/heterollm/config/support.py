@@ -51,7 +51,7 @@ RULES: dict[str, Rule] = {
              "use_audio_in_video audio_max_upload_file_mb audio_max_decode_duration_s enable_mm_encoder_dp "
              "enable_return_embedding_modality_tags mm_processor_kwargs limit_mm_per_prompt enable_mm", MULTIMODAL),
     **_rules("engine_worker_queue_port cache_queue_port", NO_EQUIVALENT),
-    **_rules("rpc_channel_timeout_ms max_reconnect_count num_threads num_request_handling_threads "
+    **_rules("rpc_channel_timeout_ms num_threads num_request_handling_threads "
              "num_response_handling_threads", IN_PROCESS),
 }
 
@@ -68,8 +68,8 @@ _planned("revision load_choices dynamic_load_weight use_warmup",
          "quantized execution / weight reloading (weights are dequantized on load)")
 _planned("kv_cache_ratio static_decode_blocks max_num_partial_prefills max_long_partial_prefills "
          "long_prefill_token_threshold prefill_scheduling_memory_usage_threshold", "scheduler policies issue")
-_planned("dp_size ep_size cp_size kv_split_size tp_size health_check_interval_ms master_node_addr "
-         "worker_memory_master_node_addr nnodes node_rank enable_attn_dp_weight_sharding enable_eplb "
+_planned("dp_size ep_size cp_size kv_split_size "
+         "worker_memory_master_node_addr enable_attn_dp_weight_sharding enable_eplb "
          "redundant_experts_num eplb_update_interval expert_parallel_degree enable_expert_parallel "
          "enable_dp_fair_token_budget", "the parallelism issue")
 _planned("enable_graph enable_graph_mode_decode_no_padding max_tokens_for_graph_mode graph_optimization_config "

@@ -19,6 +19,7 @@ from typing import Any
 from heterollm.engine.llm_engine import LLMEngine
 from heterollm.engine.outputs import RequestOutput
 from heterollm.engine.request import RequestRejected
+from heterollm.interfaces import ExecutorDead
 from heterollm.sampling import SamplingParams
 
 logger = logging.getLogger("heterollm.engine")
@@ -36,7 +37,8 @@ class _Stream:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_finished: Callable[[RequestOutput], None] | None = None,
-                 on_aborted: Callable[[str], None] | None = None) -> None:
+                 on_aborted: Callable[[str], None] | None = None,
+                 on_dead: Callable[[str], None] | None = None) -> None:
         self.engine = engine
         self.on_finished = on_finished
         """Called on the engine thread with each request's final output (metrics hook)."""
@@ -47,6 +49,9 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heterollm-engine", daemon=True)
+        self.on_dead = on_dead
+        """Called once, on the engine thread, when the executor's workers are gone (ExecutorDead)."""
+        self.dead: str | None = None
         self.steps = 0
         self.step_errors = 0
 
@@ -76,7 +81,8 @@ class AsyncEngine:
         before the first output. Closing the stream early (a client that went away) aborts the
         request and frees its blocks."""
         if not self.alive:
-            raise EngineError("the engine is shutting down")
+            raise EngineError(f"the engine is not running: {self.dead}" if self.dead else
+                              "the engine is shutting down")
         loop = asyncio.get_running_loop()
         admitted = loop.create_future()
         stream = _Stream(loop, asyncio.Queue())
@@ -117,6 +123,15 @@ class AsyncEngine:
         return box["value"]
 
     # -- the engine thread -----------------------------------------------------------------
+    def _die(self, why: str) -> None:
+        self.dead = why
+        logger.error("the engine cannot go on (%s): failing every request", why)
+        for request_id in list(self._streams):
+            self._deliver(request_id, EngineError(f"the engine failed: {why}"))
+        self._stop.set()
+        if self.on_dead is not None:
+            self.on_dead(why)
+
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
         if stream is None:
@@ -166,15 +181,20 @@ class AsyncEngine:
             self._apply(*cmd)
 
     def _run(self) -> None:
+        interval = self.engine.config.server.health_check_interval_ms / 1000
         while not self._stop.is_set():
             self._wake.clear()
             self._drain()
-            if not self.engine.has_unfinished():
-                self._wake.wait(0.5)
-                continue
             try:
+                if not self.engine.has_unfinished():
+                    self._wake.wait(min(0.5, interval))
+                    self.engine.check_health()
+                    continue
                 outputs = self.engine.step()
                 self.steps += 1
+            except ExecutorDead as exc:
+                self._die(str(exc))
+                break
             except Exception as exc:
                 self.step_errors += 1
                 logger.exception("engine step failed; failing the requests in flight")

@@ -24,7 +24,7 @@ from heterollm.interfaces import RunnerOutput, SchedulerOutput
 from heterollm.kv_cache import KVCacheManager
 from heterollm.kv_cache.events import make_kv_event_publisher
 from heterollm.model_executor.loader import resolve_model
-from heterollm.model_executor.runner import LaunchContext, resolve_dtype
+from heterollm.model_executor.runner import LaunchContext, model_max_len, resolve_dtype
 from heterollm.sampling import SamplingParams
 from heterollm.scheduler import Scheduler
 from heterollm.scheduler.latency import LatencyTargets, StepTimeModel
@@ -69,15 +69,13 @@ class LLMEngine:
                                    self.source.gguf_file is not None)
         """The weight/activation dtype `--dtype` resolves to (the runner resolves it identically)."""
         hf = self.source.hf_config
-        max_len = config.fastdeploy.max_model_len
-        model_max = getattr(hf, "max_position_embeddings", None)
-        if model_max and max_len > model_max:
-            logger.info("max_model_len %d > the model's max_position_embeddings %d; using %d", max_len, model_max,
-                        model_max)
-            max_len = model_max
+        max_len = model_max_len(config, hf)
         if config.execution.random_seed >= 0:
             self.selection.platform.seed(config.execution.random_seed)
         executor_cls = self.selection.component("executors")
+        if config.parallel.tp_size > 1:  # one process per rank, each running the backend's executor
+            from heterollm.distributed.executor import MultiprocExecutor
+            executor_cls = MultiprocExecutor
         self.executor = executor_cls(LaunchContext(config, self.selection, self.source, max_len))
         self.executor.load_model()
         block_size = config.kv_cache.block_size
@@ -239,6 +237,12 @@ class LLMEngine:
     def is_unfinished(self, request_id: str) -> bool:
         """Whether `request_id` was admitted and has not finished or been aborted."""
         return request_id in self._parents
+
+    def check_health(self) -> None:
+        """Raise ExecutorDead when the executor's workers are gone (executors that have workers)."""
+        check = getattr(self.executor, "check_health", None)
+        if check is not None:
+            check()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None

@@ -110,5 +110,15 @@ def run_serve(loaded: LoadedConfig) -> int:
                             timeout_keep_alive=idle if idle > 0 else 24 * 3600)
     logger.info("serving %s as %r on http://%s:%d (OpenAI API under /v1)", cfg.model.model,
                 settings.served_model_names[0], host, port)
-    _graceful_server_class()(config).run()
+    http = _graceful_server_class()(config)
+
+    def engine_died(why: str) -> None:
+        logger.error("stopping the server: %s", why)
+        http.should_exit = True
+
+    server.on_engine_dead = engine_died
+    http.run()
+    if server.async_engine.dead:
+        logger.error("exiting with status 1: %s", server.async_engine.dead)
+        return 1
     return 0

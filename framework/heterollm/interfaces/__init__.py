@@ -8,7 +8,7 @@ from heterollm.interfaces.attention import AttentionBackend, AttentionInputs, At
 from heterollm.interfaces.batch import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from heterollm.interfaces.communicator import Communicator
 from heterollm.interfaces.component import Component
-from heterollm.interfaces.executor import Executor
+from heterollm.interfaces.executor import Executor, ExecutorDead
 from heterollm.interfaces.graph_runner import GraphRunner
 from heterollm.interfaces.platform import Platform
 
@@ -16,4 +16,5 @@ API_VERSION = "1.0"
 
 __all__ = ["API_VERSION", "AttentionBackend", "AttentionInputs", "AttentionMetadata", "RunnerOutput",
            "ScheduledRequest", "SchedulerOutput", "TokenLogprobs", "Communicator", "Component", "Executor",
+           "ExecutorDead",
            "GraphRunner", "Platform"]

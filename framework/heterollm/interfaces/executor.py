@@ -10,6 +10,10 @@ if TYPE_CHECKING:
     from heterollm.interfaces.batch import RunnerOutput, SchedulerOutput
 
 
+class ExecutorDead(RuntimeError):
+    """The executor's workers are gone (a process died); the engine cannot run another step."""
+
+
 class Executor(Component):
     """Loads the model on its workers, sizes and allocates the KV cache, and executes steps.
 

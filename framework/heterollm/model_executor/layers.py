@@ -53,12 +53,15 @@ class MergedColumnParallelLinear(LinearBase):
 
     The checkpoint keeps them apart; `weight_loader(param, tensor, shard)` writes part `shard`
     (its tensor-parallel slice) at its offset. `param.num_shards` lets the loader check that
-    every part arrived."""
+    every part arrived. `partitions[i]` (default tp_size) splits part i into fewer slices than
+    ranks: rank r then holds slice r * partitions[i] // tp_size (replicated K/V heads)."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, pctx: ParallelContext) -> None:
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, pctx: ParallelContext,
+                 partitions: list[int] | None = None) -> None:
         super().__init__()
         self.pctx = pctx
-        self.sizes = [pctx.shard(o, "output features") for o in out_sizes]
+        self.partitions = partitions or [pctx.tp_size] * len(out_sizes)
+        self.sizes = [ParallelContext(0, p).shard(o, "output features") for o, p in zip(out_sizes, self.partitions)]
         self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
         total = sum(self.sizes)
         self.weight = nn.Parameter(torch.empty(total, in_features), requires_grad=False)
@@ -69,11 +72,10 @@ class MergedColumnParallelLinear(LinearBase):
                 param.num_shards = len(self.sizes)
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard: int) -> None:
-        size = self.sizes[shard]
-        if loaded.shape[0] != size * self.pctx.tp_size:
-            raise ValueError(f"shape mismatch: part {shard} has {size * self.pctx.tp_size} rows, "
-                             f"checkpoint {loaded.shape[0]}")
-        part = loaded.narrow(0, self.pctx.tp_rank * size, size)
+        size, parts = self.sizes[shard], self.partitions[shard]
+        if loaded.shape[0] != size * parts:
+            raise ValueError(f"shape mismatch: part {shard} has {size * parts} rows, checkpoint {loaded.shape[0]}")
+        part = loaded.narrow(0, self.pctx.tp_rank * parts // self.pctx.tp_size * size, size)
         _copy(param.data.narrow(0, self.offsets[shard], size), part)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -24,5 +24,16 @@ class ParallelContext:
 
     def shard(self, size: int, what: str) -> int:
         if size % self.tp_size:
-            raise ValueError(f"{what}={size} is not divisible by tp_size={self.tp_size}")
+            raise ValueError(f"{what}={size} is not divisible by tp_size={self.tp_size}; pick a tp_size that "
+                             f"divides it")
         return size // self.tp_size
+
+    def kv_heads(self, total: int) -> tuple[int, int]:
+        """(KV heads on this rank, partitions of the KV heads). With fewer KV heads than ranks, each
+        rank holds one, replicated over tp_size / total ranks."""
+        if total % self.tp_size == 0:
+            return total // self.tp_size, self.tp_size
+        if self.tp_size % total == 0:
+            return 1, total
+        raise ValueError(f"num_key_value_heads={total} is neither divisible by tp_size={self.tp_size} nor a "
+                         f"divisor of it")

@@ -41,6 +41,17 @@ def resolve_dtype(requested: str, hf_config: Any, platform: Any, is_gguf: bool) 
     return DTYPES[name]
 
 
+def model_max_len(config: HeterollmConfig, hf_config: Any) -> int:
+    """--max_model_len, capped at the model's max_position_embeddings."""
+    max_len = config.fastdeploy.max_model_len
+    model_max = getattr(hf_config, "max_position_embeddings", None)
+    if model_max and max_len > model_max:
+        logger.info("max_model_len %d > the model's max_position_embeddings %d; using %d", max_len, model_max,
+                    model_max)
+        max_len = model_max
+    return max_len
+
+
 @dataclass
 class LaunchContext:
     """What an executor is constructed with."""
@@ -49,10 +60,15 @@ class LaunchContext:
     selection: Any
     source: ModelSource
     max_model_len: int
+    rank: int = 0
+    """Tensor-parallel rank of the worker this context builds (distributed/worker.py sets it)."""
+    world_size: int = 1
+    communicator: Any = None
 
 
 class ModelRunner:
-    def __init__(self, launch: LaunchContext, rank: int = 0, world_size: int = 1, communicator: Any = None) -> None:
+    def __init__(self, launch: LaunchContext, rank: int | None = None, world_size: int | None = None,
+                 communicator: Any = None) -> None:
         self.launch = launch
         self.config = launch.config
         self.source = launch.source
@@ -61,7 +77,9 @@ class ModelRunner:
         self.device = torch.device(self.platform.device_type)
         self.attn_backend = sel.component("attention")()
         self.graph_runner = sel.component("graph_runners")()
-        self.pctx = ParallelContext(rank, world_size, communicator)
+        self.pctx = ParallelContext(launch.rank if rank is None else rank,
+                                    launch.world_size if world_size is None else world_size,
+                                    communicator or launch.communicator)
         self.dtype = resolve_dtype(self.config.device.dtype, self.source.hf_config, self.platform,
                                    self.source.gguf_file is not None)
         self.block_size = self.config.kv_cache.block_size

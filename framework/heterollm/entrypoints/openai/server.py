@@ -109,7 +109,9 @@ class OpenAIServer:
         self.model_name = settings.served_model_names[0]
         self.metrics = ServerMetrics(engine, self.model_name)
         self.async_engine = AsyncEngine(engine, on_finished=self.metrics.record_finished,
-                                        on_aborted=self.metrics.record_abort)
+                                        on_aborted=self.metrics.record_abort, on_dead=self._engine_died)
+        self.on_engine_dead: Any = None
+        """Set by `heterollm serve`: stops the HTTP server when the engine's workers are gone."""
         self.in_flight = 0
         self.created = int(time.time())
         self.defaults = dict(engine.source.generation_defaults)
@@ -162,9 +164,14 @@ class OpenAIServer:
         return JSONResponse(error_body(status, message, param), status_code=status)
 
     # -- small routes ----------------------------------------------------------------------
+    def _engine_died(self, why: str) -> None:
+        if self.on_engine_dead is not None:
+            self.on_engine_dead(why)
+
     async def health(self) -> Response:
         if not self.async_engine.alive:
-            return self._error(503, "the engine is not running")
+            return self._error(503, f"the engine is not running: {self.async_engine.dead}" if self.async_engine.dead
+                               else "the engine is not running")
         return Response(status_code=200)
 
     async def version(self) -> dict[str, str]:

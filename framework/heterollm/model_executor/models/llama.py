@@ -23,10 +23,10 @@ class DecoderAttention(nn.Module):
         self.total_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.total_heads
         self.head_dim = getattr(cfg, "head_dim", None) or hidden // self.total_heads
         self.num_heads = pctx.shard(self.total_heads, "num_attention_heads")
-        self.num_kv_heads = pctx.shard(self.total_kv_heads, "num_key_value_heads")
+        self.num_kv_heads, kv_parts = pctx.kv_heads(self.total_kv_heads)
         kv_out = self.total_kv_heads * self.head_dim
         self.qkv_proj = MergedColumnParallelLinear(hidden, [self.total_heads * self.head_dim, kv_out, kv_out],
-                                                   qkv_bias, pctx)
+                                                   qkv_bias, pctx, partitions=[pctx.tp_size, kv_parts, kv_parts])
         self.o_proj = RowParallelLinear(self.total_heads * self.head_dim, hidden, o_bias, pctx)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None

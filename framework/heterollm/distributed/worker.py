@@ -1,0 +1,109 @@
+"""A tensor-parallel worker process: one rank of the model.
+
+Every rank builds the backend's own (in-process) executor for its shard, joined to the others
+through the platform's Communicator. Rank 0 takes calls from the engine over a pipe and forwards
+each one to the other ranks with a broadcast on a gloo group (a pickled object: on 2 CPU cores a
+64-request decode batch costs ~0.3 ms); every rank runs the call, and rank 0 answers. Ranks on
+other nodes (`--nnodes`, `--node_rank`) run the same loop without a pipe.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+logger = logging.getLogger("heterollm.worker")
+
+STOP = "stop"
+
+
+def init_method(config: Any, port: int | None = None) -> str:
+    """The rendezvous: --master_node_addr across nodes, a free loopback port on one node."""
+    if config.distributed.nnodes > 1 or port is None:
+        return f"tcp://{config.distributed.master_node_addr}"
+    return f"tcp://127.0.0.1:{port}"
+
+
+def wait_for_master(address: str, attempts: int, world_size: int) -> None:
+    """Ranks other than 0 first reach rank 0's store, retrying `attempts` times (--max_reconnect_count)."""
+    import torch.distributed as dist
+
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    for attempt in range(1, attempts + 1):
+        try:
+            dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timedelta(seconds=3))
+            return
+        except (RuntimeError, OSError) as exc:  # DistNetworkError is a RuntimeError
+            if attempt == attempts:
+                raise ConnectionError(f"could not reach the master node at {host}:{port} after {attempts} attempts "
+                                      f"(--max_reconnect_count); last error: {exc}") from None
+            time.sleep(0.5)
+
+
+def _threads(local_ranks: int) -> None:
+    import torch
+
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+
+
+def worker_main(config: Any, rank: int, world_size: int, address: str, max_model_len: int, local_ranks: int,
+                conn: Any = None) -> None:
+    """The process entry point (spawned). `conn` is the engine's pipe on rank 0, else None."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    try:
+        _threads(local_ranks)
+        executor, ctrl = _build(config, rank, world_size, address, max_model_len)
+    except BaseException as exc:  # report why this rank could not start, then leave
+        logger.error("rank %d failed to start: %s", rank, exc)
+        if conn is not None:
+            conn.send((None, RuntimeError(f"tensor-parallel rank {rank} failed to start: {exc}")))
+        raise SystemExit(1) from None
+    if conn is not None:
+        conn.send(("ready", None))
+    _serve(executor, ctrl, rank, conn)
+
+
+def _build(config: Any, rank: int, world_size: int, address: str, max_model_len: int) -> tuple[Any, Any]:
+    import torch.distributed as dist
+
+    from heterollm.entrypoints.launch import launch_selection
+    from heterollm.model_executor.loader import resolve_model
+    from heterollm.model_executor.runner import LaunchContext
+
+    selection = launch_selection(config)
+    if rank != 0:
+        wait_for_master(address, config.server.max_reconnect_count, world_size)
+    communicator = selection.component("communicators")(rank, world_size, address)
+    ctrl = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    launch = LaunchContext(config, selection, resolve_model(config.model.model), max_model_len,
+                           rank=rank, world_size=world_size, communicator=communicator)
+    return selection.component("executors")(launch), ctrl
+
+
+def _serve(executor: Any, ctrl: Any, rank: int, conn: Any) -> None:
+    import torch.distributed as dist
+
+    while True:
+        box = [conn.recv() if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=ctrl)
+        method, args = box[0]
+        if method == STOP:
+            break
+        result, error = None, None
+        try:
+            result = getattr(executor, method)(*args)
+        except Exception as exc:  # answered to the engine; the loop goes on
+            logger.exception("rank %d: %s failed", rank, method)
+            error = exc
+        if method == "determine_num_blocks":  # every rank must hold the cache: the smallest count wins
+            counts: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(counts, result if error is None else 0, group=ctrl)
+            result = min(counts)
+        if rank == 0:
+            conn.send((result, error))
+    executor.shutdown()
+    if dist.is_initialized():
+        dist.destroy_process_group()

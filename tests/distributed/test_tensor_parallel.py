@@ -1,0 +1,82 @@
+"""Tensor parallelism on CPU (gloo): one spawned worker process per rank. Greedy tokens with
+tp_size=2 equal tp_size=1 for every model family, with K/V heads split or replicated; shapes that
+cannot split fail with a message naming the shape; a worker that dies fails the step, never hangs."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from helpers import build_tiny_model, smollm2_gguf
+from heterollm import LLM, SamplingParams
+from heterollm.config import ConfigError
+from heterollm.interfaces import ExecutorDead
+
+FLAGS = dict(dtype="float32", block_size=8, num_gpu_blocks_override=128, max_model_len=256)
+PROMPTS = [[5, 6, 7, 8, 9], list(range(100, 140)), [42] * 3]
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+
+
+def run(folder, **flags):
+    llm = LLM(str(folder), **FLAGS, **flags)
+    try:
+        outs = llm.generate(PROMPTS, GREEDY)
+    finally:
+        llm.shutdown()
+    return [o.outputs[0].token_ids for o in outs], [lp.logprob for o in outs for lp in o.outputs[0].logprobs]
+
+
+@pytest.mark.parametrize("family,shape", [
+    ("llama", {}), ("qwen2", {}), ("qwen3", {}),
+    ("llama", {"num_key_value_heads": 1}),  # fewer KV heads than ranks: each rank holds a replica
+], ids=["llama", "qwen2", "qwen3", "llama-kv-replicated"])
+def test_tp2_equals_tp1(tmp_path, family, shape):
+    folder = build_tiny_model(tmp_path / family, family, **shape)
+    tokens1, lps1 = run(folder)
+    tokens2, lps2 = run(folder, tp_size=2)
+    assert tokens2 == tokens1
+    assert lps2 == pytest.approx(lps1, abs=1e-4)
+
+
+def test_a_shape_that_cannot_split_names_itself(tmp_path):
+    folder = build_tiny_model(tmp_path / "llama", "llama")  # 4 heads, 2 KV heads
+    with pytest.raises(ConfigError, match="num_attention_heads=4 is not divisible by tp_size=3"):
+        LLM(str(folder), **FLAGS, tp_size=3)
+
+
+def test_smollm2_splits_its_9_heads_over_3_ranks():
+    """SmolLM2-135M has 9 query heads and 3 KV heads: tp_size=3 splits both (one KV head per rank);
+    tp_size=2 divides neither and is refused."""
+    gguf = smollm2_gguf()
+    p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    flags = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=16)
+    prompt = "The capital of France is"
+    one = LLM(str(gguf), **flags)
+    want = one.generate(prompt, p)[0].outputs[0].token_ids
+    one.shutdown()
+    three = LLM(str(gguf), **flags, tp_size=3)
+    assert three.generate(prompt, p)[0].outputs[0].token_ids == want
+    three.shutdown()
+    with pytest.raises(ConfigError, match="num_attention_heads=9 is not divisible by tp_size=2"):
+        LLM(str(gguf), **flags, tp_size=2)
+
+
+def test_a_killed_worker_fails_the_step_and_stops_the_rest(tmp_path):
+    folder = build_tiny_model(tmp_path / "llama", "llama")
+    llm = LLM(str(folder), **FLAGS, tp_size=2, health_check_interval_ms=200)
+    engine = llm.engine
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.step()
+    procs = engine.executor.procs
+    os.kill(procs[1].pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(ExecutorDead, match="rank 1 died"):
+        for _ in range(1000):
+            engine.step()
+    assert time.monotonic() - t0 < 30
+    assert not any(p.is_alive() for p in procs)
+    with pytest.raises(ExecutorDead):
+        engine.step()
+    llm.shutdown()
