@@ -140,3 +140,26 @@ class MultiprocExecutor(Executor):
                 p.terminate()
                 p.join(5)
         self.conn.close()
+
+
+def run_node_workers(config: Any) -> int:
+    """`--node_rank K` (K > 0) of a multi-node job: run this node's ranks until node 0's engine
+    stops them. Returns the exit status (0 when every rank ended cleanly)."""
+    from heterollm.entrypoints.launch import launch_selection
+    from heterollm.model_executor.loader import resolve_model
+    from heterollm.model_executor.runner import model_max_len
+
+    launch_selection(config)  # the same checks node 0 runs, before anything starts
+    max_len = model_max_len(config, resolve_model(config.model.model).hf_config)
+    address = init_method(config)
+    procs = spawn_workers(config, max_len, address)
+    ranks = local_ranks(config)
+    logger.info("node %d of %d: ranks %d-%d joining %s", config.distributed.node_rank, config.distributed.nnodes,
+                ranks[0], ranks[-1], address)
+    status = 0
+    for rank, p in zip(ranks, procs):
+        p.join()
+        if p.exitcode:
+            logger.error("rank %d exited with status %s", rank, p.exitcode)
+            status = 1
+    return status

@@ -51,16 +51,23 @@ def _cmd_backends(_: LoadedConfig | None) -> int:
     return print_backends()
 
 
+def _worker_node(loaded: LoadedConfig) -> bool:
+    """A node other than 0 of a multi-node job runs only its tensor-parallel ranks."""
+    return loaded.config.distributed.node_rank > 0
+
+
 def _cmd_serve(loaded: LoadedConfig) -> int:
+    from heterollm.distributed.executor import run_node_workers
     from heterollm.entrypoints.serve import run_serve
     _configure_logging()
-    return run_serve(loaded)
+    return run_node_workers(loaded.config) if _worker_node(loaded) else run_serve(loaded)
 
 
 def _cmd_generate(loaded: LoadedConfig) -> int:
+    from heterollm.distributed.executor import run_node_workers
     from heterollm.entrypoints.generate import run_generate
     _configure_logging()
-    return run_generate(loaded)
+    return run_node_workers(loaded.config) if _worker_node(loaded) else run_generate(loaded)
 
 
 COMMANDS: dict[str, Command] = {
