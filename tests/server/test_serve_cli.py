@@ -81,7 +81,7 @@ def test_port_in_use_is_a_one_line_error(cli, long_model):
     assert r.rc == 2 and f"--port: cannot listen on 127.0.0.1:{port}" in r.err and "Traceback" not in r.err
 
 
-@pytest.mark.parametrize("flag", ["--num_threads=4", "--max_reconnect_count=3", "--tool_call_parser=qwen3"])
+@pytest.mark.parametrize("flag", ["--num_threads=4", "--rpc_channel_timeout_ms=5", "--tool_call_parser=qwen3"])
 def test_flags_without_an_equivalent_fail_fast(cli, long_model, flag):
     r = cli("serve", "--model", str(long_model), flag)
     assert r.rc == 2 and flag in r.err and "Traceback" not in r.err
@@ -105,3 +105,56 @@ def test_serve_leaves_a_core_for_the_http_loop(monkeypatch):
         assert torch.get_num_threads() == 1  # never below one
     finally:
         torch.set_num_threads(before)
+
+
+def _serve(model, *flags):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "heterollm.entrypoints.cli", "serve", "--model", str(model), "--host=127.0.0.1",
+         f"--port={port}", "--dtype=float32", "--max_model_len=512", "--served_model_name=tiny", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def test_dp_size_2_serves_from_two_replicas(long_model):
+    from concurrent.futures import ThreadPoolExecutor
+
+    proc, url = _serve(long_model, "--dp_size=2")
+    try:
+        _wait_health(proc, url)
+
+        def one(i):
+            body = {"model": "tiny", "prompt": list(range(10, 20 + i)), "max_tokens": 24, "temperature": 0,
+                    "ignore_eos": True}
+            return httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        with ThreadPoolExecutor(6) as pool:
+            texts = list(pool.map(one, range(6)))
+        assert texts == [one(i) for i in range(6)]  # one at a time: the same answers
+        metrics = httpx.get(url + "/metrics").text
+        assert 'heterollm_kv_cache_total_blocks{dp_rank="1",model_name="tiny"}' in metrics
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    assert proc.returncode == 0
+
+
+def test_a_dead_worker_fails_the_stream_and_serve_exits_1(long_model):
+    proc, url = _serve(long_model, "--tp_size=2", "--health_check_interval_ms=200")
+    try:
+        _wait_health(proc, url)
+        workers = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(proc.pid)], capture_output=True,
+                                 text=True).stdout.splitlines()
+        pids = [int(line.split()[0]) for line in workers if "spawn_main" in line]
+        assert len(pids) == 2
+        body = {"model": "tiny", "prompt": "go on", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        with httpx.Client(timeout=60) as client, client.stream("POST", url + "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            os.kill(max(pids), signal.SIGKILL)
+            rest = "\n".join(lines)
+        assert "error" in rest and "died" in rest
+        proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1

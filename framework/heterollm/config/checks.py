@@ -33,3 +33,12 @@ def check_flag_combinations(config: HeterollmConfig) -> list[str]:
         events = parse_kv_events_config(config.kv_cache.kv_events_config)
         problems += kv_events_port_problems(events, config.parallel.dp_size)
     return problems
+
+
+def check_single_replica(config: HeterollmConfig, where: str) -> None:
+    """--dp_size replicas live behind `heterollm serve`; other entry points run one engine."""
+    from heterollm.config.errors import ConfigError
+
+    if config.parallel.dp_size > 1:
+        raise ConfigError(f"--dp_size={config.parallel.dp_size}: engine replicas are served behind `heterollm serve`; "
+                          f"{where} runs one engine")

@@ -68,7 +68,7 @@ _planned("revision load_choices dynamic_load_weight use_warmup",
          "quantized execution / weight reloading (weights are dequantized on load)")
 _planned("kv_cache_ratio static_decode_blocks max_num_partial_prefills max_long_partial_prefills "
          "long_prefill_token_threshold prefill_scheduling_memory_usage_threshold", "scheduler policies issue")
-_planned("dp_size ep_size cp_size kv_split_size "
+_planned("ep_size cp_size kv_split_size "
          "worker_memory_master_node_addr enable_attn_dp_weight_sharding enable_eplb "
          "redundant_experts_num eplb_update_interval expert_parallel_degree enable_expert_parallel "
          "enable_dp_fair_token_budget", "the parallelism issue")

@@ -52,6 +52,10 @@ class AsyncEngine:
         self.on_dead = on_dead
         """Called once, on the engine thread, when the executor's workers are gone (ExecutorDead)."""
         self.dead: str | None = None
+        self._load: dict[str, int] = {}
+        self._cost: dict[str, int] = {}
+        """Per request: its tokens at admission (prompt + max_tokens x n); _load: what is left."""
+        self._load_lock = threading.Lock()
         self.steps = 0
         self.step_errors = 0
 
@@ -83,6 +87,9 @@ class AsyncEngine:
         if not self.alive:
             raise EngineError(f"the engine is not running: {self.dead}" if self.dead else
                               "the engine is shutting down")
+        cost = len(prompt_token_ids or prompt) + (params.max_tokens or 0) * params.n
+        with self._load_lock:
+            self._load[request_id] = self._cost[request_id] = cost
         loop = asyncio.get_running_loop()
         admitted = loop.create_future()
         stream = _Stream(loop, asyncio.Queue())
@@ -132,13 +139,31 @@ class AsyncEngine:
         if self.on_dead is not None:
             self.on_dead(why)
 
+    @property
+    def load(self) -> int:
+        """Outstanding tokens (prompt + tokens still to generate) of the requests admitted and not
+        finished: how a server with several replicas picks one."""
+        with self._load_lock:
+            return sum(self._load.values())
+
+    def _unload(self, request_id: str) -> None:
+        with self._load_lock:
+            self._load.pop(request_id, None)
+            self._cost.pop(request_id, None)
+
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
         if stream is None:
+            self._unload(request_id)
             return
         final = isinstance(item, BaseException) or item.finished
         if final:
             del self._streams[request_id]
+            self._unload(request_id)
+        else:  # tokens generated are no longer outstanding
+            with self._load_lock:
+                if request_id in self._load:
+                    self._load[request_id] = self._cost[request_id] - sum(len(c.token_ids) for c in item.outputs)
         try:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
         except RuntimeError:  # the caller's loop is closed: nobody is listening any more
@@ -154,12 +179,14 @@ class AsyncEngine:
                 if not isinstance(exc, RequestRejected):
                     logger.exception("admitting request %s failed", request_id)
                     exc = EngineError(f"admitting the request failed: {exc}")
+                self._unload(request_id)
                 stream.loop.call_soon_threadsafe(_settle, admitted, exc)
                 return
             self._streams[request_id] = stream
             stream.loop.call_soon_threadsafe(_settle, admitted, None)
         elif kind == "abort":
             self._streams.pop(payload, None)
+            self._unload(payload)
             if self.engine.is_unfinished(payload):
                 self.engine.abort(payload)
                 if self.on_aborted is not None:

@@ -5,6 +5,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from heterollm.config import load_config
+from heterollm.config.checks import check_single_replica
 from heterollm.engine.llm_engine import LLMEngine
 from heterollm.engine.outputs import RequestOutput
 from heterollm.sampling import SamplingParams
@@ -19,6 +20,7 @@ class LLM:
     def __init__(self, model: str, **flags: Any) -> None:
         loaded = load_config([], overrides={"model": model, **flags})
         self.config = loaded.config
+        check_single_replica(self.config, "the offline API")
         self.engine = LLMEngine(self.config)
         self._counter = 0
 

@@ -59,10 +59,13 @@ class _Parent:
 
 
 class LLMEngine:
-    def __init__(self, config: HeterollmConfig) -> None:
+    def __init__(self, config: HeterollmConfig, dp_rank: int = 0) -> None:
+        """`dp_rank`: which of the --dp_size replicas behind one server this engine is (its KV
+        events go to the base ports + dp_rank)."""
         from heterollm.entrypoints.launch import launch_selection
 
         self.config = config
+        self.dp_rank = dp_rank
         self.selection = launch_selection(config)
         self.source = resolve_model(config.model.model)
         self.dtype = resolve_dtype(config.device.dtype, self.source.hf_config, self.selection.platform,
@@ -104,7 +107,7 @@ class LLMEngine:
             if kvc.enable_prefix_cache and idle_limit < num_blocks:
                 logger.info("prefix cache: at most %d freed blocks (%.0f MiB) stay cached beyond the working set; "
                             "--max_cache_size lets it use the whole cache", idle_limit, idle_bytes / 2**20)
-        self.kv_events = make_kv_event_publisher(kvc.kv_events_config, dp_rank=0)
+        self.kv_events = make_kv_event_publisher(kvc.kv_events_config, dp_rank=dp_rank)
         """Publishes the prefix cache's BlockStored/BlockRemoved events over ZeroMQ (--kv_events_config)."""
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_cache=kvc.enable_prefix_cache,
                                  hash_seed=kvc.xxh3_128bits_seed, record_events=self.kv_events is not None,

@@ -8,6 +8,7 @@ from typing import Optional
 
 from heterollm.config import ConfigError, LoadedConfig
 from heterollm.config.base import FlagGroup, flag
+from heterollm.config.checks import check_single_replica
 
 
 class GenerateFlags(FlagGroup):
@@ -60,6 +61,7 @@ def run_generate(loaded: LoadedConfig) -> int:
     extra = loaded.extra
     if not extra["prompt"]:
         raise ConfigError("--prompt is required for `heterollm generate`")
+    check_single_replica(loaded.config, "`heterollm generate`")
     engine = LLMEngine(loaded.config)
     params = _sampling(extra, engine.source.generation_defaults)
     try:

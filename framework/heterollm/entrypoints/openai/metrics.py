@@ -12,7 +12,10 @@ _PER_TOKEN = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1
 
 
 class ServerMetrics:
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+    """Request counters and histograms over the whole server; engine gauges and prefix cache
+    counters per engine replica (label dp_rank, one replica per --dp_size)."""
+
+    def __init__(self, engines: list[LLMEngine], model_name: str) -> None:
         r = self.registry = CollectorRegistry()
         labels = ["model_name"]
         self.model_name = model_name
@@ -39,19 +42,7 @@ class ServerMetrics:
         for metric in (self.aborts, self.ttft_slo_missed, self.prompt_tokens, self.generation_tokens, self.preemptions, self.ttft, self.tpot,
                        self.e2e):
             metric.labels(model_name)  # exported as 0 from the start, so rates work before the first request
-        gauges = {
-            "heterollm_num_requests_running": ("Sequences being computed (n > 1 counts each).",
-                                               lambda: len(engine.scheduler.running)),
-            "heterollm_num_requests_waiting": ("Sequences waiting for admission to a batch.",
-                                               lambda: len(engine.scheduler.waiting)),
-            "heterollm_kv_cache_usage_perc": ("Fraction of KV cache blocks in use (0..1).",
-                                              lambda: engine.kv.usage),
-            "heterollm_kv_cache_free_blocks": ("KV cache blocks free.", lambda: engine.kv.num_free_blocks),
-            "heterollm_kv_cache_total_blocks": ("KV cache blocks in all.", lambda: engine.kv.pool.num_blocks),
-        }
-        for name, (doc, fn) in gauges.items():
-            Gauge(name, doc, registry=r).set_function(fn)
-        r.register(_PrefixCacheCollector(engine, model_name))
+        r.register(_ReplicaCollector(engines, model_name))
         self.in_flight = Gauge("heterollm_http_requests_in_flight", "Generation requests the server is handling.",
                                registry=r)
 
@@ -79,24 +70,36 @@ class ServerMetrics:
         self.errors.labels(self.model_name, str(status)).inc()
 
 
-class _PrefixCacheCollector:
-    """Prefix cache counters read from the KV cache manager at scrape time (tokens, as vLLM counts)."""
+_GAUGES = {
+    "heterollm_num_requests_running": ("Sequences being computed (n > 1 counts each).",
+                                       lambda e: len(e.scheduler.running)),
+    "heterollm_num_requests_waiting": ("Sequences waiting for admission to a batch.", lambda e: len(e.scheduler.waiting)),
+    "heterollm_kv_cache_usage_perc": ("Fraction of KV cache blocks in use (0..1).", lambda e: e.kv.usage),
+    "heterollm_kv_cache_free_blocks": ("KV cache blocks free.", lambda e: e.kv.num_free_blocks),
+    "heterollm_kv_cache_total_blocks": ("KV cache blocks in all.", lambda e: e.kv.pool.num_blocks),
+    "heterollm_prefix_cache_hit_rate": ("Prefix cache hits / queries since start (0..1).",
+                                        lambda e: e.kv.hits / e.kv.queries if e.kv.queries else 0.0),
+    "heterollm_prefix_cache_blocks": ("KV cache blocks holding a cached prefix (in use or evictable).",
+                                      lambda e: e.kv.pool.num_cached),
+}
+_COUNTERS = {
+    "heterollm_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", lambda e: e.kv.queries),
+    "heterollm_prefix_cache_hits": ("Prompt tokens found in the prefix cache.", lambda e: e.kv.hits),
+}
 
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
-        self.kv, self.model_name = engine.kv, model_name
+
+class _ReplicaCollector:
+    """Each engine replica's gauges and prefix cache counters (tokens, as vLLM counts), read at scrape
+    time, labelled with the replica's dp_rank."""
+
+    def __init__(self, engines: list[LLMEngine], model_name: str) -> None:
+        self.engines, self.model_name = engines, model_name
 
     def collect(self):
-        kv, labels = self.kv, [self.model_name]
-        queries = CounterMetricFamily("heterollm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                      labels=["model_name"])
-        queries.add_metric(labels, kv.queries)
-        hits = CounterMetricFamily("heterollm_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                                   labels=["model_name"])
-        hits.add_metric(labels, kv.hits)
-        rate = GaugeMetricFamily("heterollm_prefix_cache_hit_rate", "Prefix cache hits / queries since start (0..1).",
-                                 labels=["model_name"])
-        rate.add_metric(labels, kv.hits / kv.queries if kv.queries else 0.0)
-        blocks = GaugeMetricFamily("heterollm_prefix_cache_blocks", "KV cache blocks holding a cached prefix "
-                                   "(in use or evictable).", labels=["model_name"])
-        blocks.add_metric(labels, kv.pool.num_cached)
-        return [queries, hits, rate, blocks]
+        labels = ["model_name", "dp_rank"]
+        for table, family in ((_GAUGES, GaugeMetricFamily), (_COUNTERS, CounterMetricFamily)):
+            for name, (doc, read) in table.items():
+                metric = family(name, doc, labels=labels)
+                for rank, engine in enumerate(self.engines):
+                    metric.add_metric([self.model_name, str(rank)], read(engine))
+                yield metric

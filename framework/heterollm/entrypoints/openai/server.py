@@ -103,28 +103,36 @@ class _ApiKeyMiddleware:
 
 
 class OpenAIServer:
-    def __init__(self, engine: LLMEngine, settings: ServerSettings) -> None:
-        self.engine = engine
+    """The HTTP front of one engine, or of `--dp_size` engine replicas: each request goes to the
+    replica with the fewest outstanding tokens (prompt + tokens still to generate)."""
+
+    def __init__(self, engine: LLMEngine | list[LLMEngine], settings: ServerSettings) -> None:
+        engines = list(engine) if isinstance(engine, (list, tuple)) else [engine]
+        self.engine = engines[0]
+        """Replica 0: the tokenizer, chat template and limits every replica shares."""
         self.settings = settings
         self.model_name = settings.served_model_names[0]
-        self.metrics = ServerMetrics(engine, self.model_name)
-        self.async_engine = AsyncEngine(engine, on_finished=self.metrics.record_finished,
-                                        on_aborted=self.metrics.record_abort, on_dead=self._engine_died)
+        self.metrics = ServerMetrics(engines, self.model_name)
+        self.replicas = [AsyncEngine(e, on_finished=self.metrics.record_finished, on_aborted=self.metrics.record_abort,
+                                     on_dead=self._engine_died) for e in engines]
+        self.async_engine = self.replicas[0]
         self.on_engine_dead: Any = None
         """Set by `heterollm serve`: stops the HTTP server when the engine's workers are gone."""
         self.in_flight = 0
         self.created = int(time.time())
-        self.defaults = dict(engine.source.generation_defaults)
+        self.defaults = dict(self.engine.source.generation_defaults)
         self.app = self._build_app()
 
     # -- app -------------------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
         @asynccontextmanager
         async def lifespan(_: FastAPI):
-            if not self.async_engine.alive:
-                self.async_engine.start()
+            for replica in self.replicas:
+                if not replica.alive:
+                    replica.start()
             yield
-            self.async_engine.shutdown()
+            for replica in self.replicas:
+                replica.shutdown()
 
         app = FastAPI(title="heterollm", lifespan=lifespan)
         app.state.server = self
@@ -169,9 +177,11 @@ class OpenAIServer:
             self.on_engine_dead(why)
 
     async def health(self) -> Response:
-        if not self.async_engine.alive:
-            return self._error(503, f"the engine is not running: {self.async_engine.dead}" if self.async_engine.dead
-                               else "the engine is not running")
+        for rank, replica in enumerate(self.replicas):
+            if not replica.alive:
+                where = f" (dp rank {rank})" if len(self.replicas) > 1 else ""
+                return self._error(503, f"the engine{where} is not running" + (f": {replica.dead}" if replica.dead
+                                                                                else ""))
         return Response(status_code=200)
 
     async def version(self) -> dict[str, str]:
@@ -268,7 +278,8 @@ class OpenAIServer:
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 # each prompt gets its own copy: the engine fills in max_tokens per request
                 p = SamplingParams(**{**params.__dict__})
-                streams.append(await self.async_engine.add(text if text is not None else ids, p, rid,
+                replica = min(self.replicas, key=lambda r: r.load)
+                streams.append(await replica.add(text if text is not None else ids, p, rid,
                                                            prompt_token_ids=ids,
                                                            first_output_timeout=self.settings.max_waiting_time,
                                                            priority=body.priority, ttft_slo_ms=body.ttft_slo_ms))
