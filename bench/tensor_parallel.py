@@ -108,6 +108,71 @@ def _comm_worker(rank: int, world: int, port: int, batch: int, q) -> None:
     dist.destroy_process_group()
 
 
+def sample_batch(batch: int):
+    """A decode step's SchedulerOutput as the engine builds it: `batch` requests with 64 prompt and
+    64 generated tokens each."""
+    from heterollm.engine.request import Request
+    from heterollm.interfaces import ScheduledRequest, SchedulerOutput
+    from heterollm.sampling import SamplingParams
+
+    items = []
+    for i in range(batch):
+        r = Request(f"req-{i}", list(range(1000, 1064)), SamplingParams(max_tokens=128, temperature=0))
+        r.output_token_ids = list(range(2000, 2064))
+        items.append(ScheduledRequest(r.request_id, [5], 127, list(range(8 * i, 8 * i + 8)), True, r,
+                                      r.output_token_ids, r.prompt_token_ids))
+    return SchedulerOutput(items, [])
+
+
+def _dispatch_worker(rank: int, world: int, port: int, conn, mode: str) -> None:
+    import torch.distributed as dist
+
+    if mode == "broadcast":
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    while True:
+        if mode == "pipes" or rank == 0:
+            msg = conn.recv()
+        if mode == "broadcast":
+            box = [msg if rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            msg = box[0]
+        if msg is None:
+            break
+        if mode == "pipes" or rank == 0:
+            conn.send(len(msg.requests))
+    if mode == "broadcast":
+        dist.destroy_process_group()
+
+
+def dispatch_cost(batch: int, world: int, mode: str, iters: int = 200) -> float:
+    """Seconds to hand one step's batch to `world` ranks and hear back: "pipes" (a pipe to every
+    rank, each answers) or "broadcast" (a pipe to rank 0, which broadcasts on gloo and answers)."""
+    import multiprocessing as mp
+
+    from heterollm.distributed.executor import free_port
+
+    ctx = mp.get_context("spawn")
+    port, so = free_port(), sample_batch(batch)
+    pipes = [ctx.Pipe() for _ in range(world)]
+    procs = [ctx.Process(target=_dispatch_worker, args=(r, world, port, pipes[r][1], mode)) for r in range(world)]
+    for p in procs:
+        p.start()
+    talk = [pipes[r][0] for r in range(world)] if mode == "pipes" else [pipes[0][0]]
+    for i in range(iters + 20):
+        if i == 20:
+            t = time.perf_counter()
+        for c in talk:
+            c.send(so)
+        for c in talk:
+            c.recv()
+    elapsed = (time.perf_counter() - t) / iters
+    for c in talk:
+        c.send(None)
+    for p in procs:
+        p.join()
+    return elapsed
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,16,64")
@@ -142,7 +207,16 @@ def main() -> None:
                ("comm_ms", "comm est.", 1), ("x", "x vs tp1", 2)],
         notes=["prepare/forward/sample: rank 0's phases; overhead: pickling, pipe, broadcast to the ranks and back; "
                "comm est.: the step's 61 collectives timed alone between gloo processes"])
-    common.write_json(args.json, {"machine": common.machine_info(), "rows": rows, "args": vars(args)})
+    ways = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        for mode in ("pipes", "broadcast"):
+            ways.append({"batch": batch, "mode": mode, "ms": 1000 * dispatch_cost(batch, 2, mode)})
+    common.print_table("handing a decode step's batch to 2 ranks and hearing back (pickled SchedulerOutput)", ways,
+                       [("batch", "batch", 0), ("mode", "how", 0), ("ms", "ms per step", 3)],
+                       notes=["pipes: one pipe per rank, each rank answers; broadcast: a pipe to rank 0, which "
+                              "forwards it with a gloo broadcast (what the executor does) and answers"])
+    common.write_json(args.json, {"machine": common.machine_info(), "rows": rows, "dispatch": ways,
+                                  "args": vars(args)})
 
 
 if __name__ == "__main__":
