@@ -191,3 +191,31 @@ def test_launch_names_the_flag():
 
     with pytest.raises(LaunchError, match="--aggressive_coeff=3.0"):
         launch_selection(load_config([], overrides={"model": "x", "aggressive_coeff": 3.0}).config)
+
+
+def test_a_better_chunked_prefill_takes_blocks_from_a_worse_decode_not_from_itself():
+    clock = Clock()
+    s = make(clock, num_blocks=12, priority_strategy="priority", max_tokens_per_chunk_for_prefill=8)
+    s.add(req(clock, "worse", n=18, max_tokens=30, priority=5))
+    for _ in range(4):
+        step(s)  # prefilled in 3 chunks (5 blocks), then decoding
+    better = req(clock, "better", n=40, max_tokens=2, priority=0)  # 10 of the 12 blocks
+    s.add(better)
+    while "better" in s.requests:
+        step(s)
+    assert better.num_preemptions == 0 and len(better.output_token_ids) == 2
+    assert s.requests["worse"].num_preemptions >= 1
+
+
+def test_a_stale_prefix_match_is_forgotten_on_a_miss():
+    kv = KVCacheManager(4, 4, enable_prefix_cache=True)
+    tokens = list(range(1, 10))
+    kv.allocate("a", 8)
+    kv.commit("a", tokens, 8)
+    kv.free("a")  # two cached blocks
+    assert kv.match_prefix("w", tokens) == 8  # held for w's next allocate, which does not come yet
+    kv.allocate("x", 16)  # takes every block, evicting the cached ones
+    kv.free("x")
+    assert kv.match_prefix("w", tokens) == 0
+    table = kv.allocate("w", 9)
+    assert table is not None and len(set(table)) == 3 and all(kv.pool.ref[b] == 1 for b in table)

@@ -20,6 +20,9 @@ def check_flag_combinations(config: HeterollmConfig) -> list[str]:
         problems.append(f"--nnodes={dist.nnodes}: must divide --tp_size={tp} (each node runs tp_size / nnodes ranks)")
     if dist.node_rank >= dist.nnodes:
         problems.append(f"--node_rank={dist.node_rank}: must be below --nnodes={dist.nnodes}")
+    if config.parallel.dp_size > 1 and dist.nnodes > 1:
+        problems.append(f"--dp_size={config.parallel.dp_size}: replicas run in one process on one node; with "
+                        f"--nnodes={dist.nnodes} they would all meet at one --master_node_addr")
     prof = config.profile
     if not prof.enable_latency_aware_schedule:
         for name, default in (("max_global_tpot_ms", INT32_MAX), ("profile_max_prompt_length", 2048)):

@@ -52,6 +52,9 @@ class AsyncEngine:
         self.on_dead = on_dead
         """Called once, on the engine thread, when the executor's workers are gone (ExecutorDead)."""
         self.dead: str | None = None
+        self._submit_lock = threading.Lock()
+        self._closed = False
+        """Set under _submit_lock before the loop's final drain: no command can slip in after it."""
         self._load: dict[str, int] = {}
         self._cost: dict[str, int] = {}
         """Per request: its tokens at admission (prompt + max_tokens x n); _load: what is left."""
@@ -85,17 +88,19 @@ class AsyncEngine:
         before the first output. Closing the stream early (a client that went away) aborts the
         request and frees its blocks."""
         if not self.alive:
-            raise EngineError(f"the engine is not running: {self.dead}" if self.dead else
-                              "the engine is shutting down")
+            raise self._not_running()
         cost = len(prompt_token_ids or prompt) + (params.max_tokens or 0) * params.n
         with self._load_lock:
             self._load[request_id] = self._cost[request_id] = cost
         loop = asyncio.get_running_loop()
         admitted = loop.create_future()
         stream = _Stream(loop, asyncio.Queue())
-        self._commands.put(("add", (prompt, params, request_id, prompt_token_ids, priority, ttft_slo_ms), admitted,
-                            stream))
-        self._wake.set()
+        try:
+            self._submit(("add", (prompt, params, request_id, prompt_token_ids, priority, ttft_slo_ms), admitted,
+                          stream))
+        except EngineError:
+            self._unload(request_id)
+            raise
         try:
             await admitted
         except asyncio.CancelledError:  # the caller went away while the request was being admitted
@@ -114,7 +119,20 @@ class AsyncEngine:
             stream.close()
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id, None, None))
+        try:
+            self._submit(("abort", request_id, None, None))
+        except EngineError:  # stopped: nothing runs any more
+            self._unload(request_id)
+
+    def _not_running(self) -> EngineError:
+        return EngineError(f"the engine is not running: {self.dead}" if self.dead else "the engine is shutting down")
+
+    def _submit(self, command: tuple) -> None:
+        """Queue a command for the engine thread, or raise EngineError once it has stopped taking them."""
+        with self._submit_lock:
+            if self._closed:
+                raise self._not_running()
+            self._commands.put(command)
         self._wake.set()
 
     def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
@@ -122,8 +140,7 @@ class AsyncEngine:
         and admin reads that need a consistent view."""
         done = threading.Event()
         box: dict[str, Any] = {}
-        self._commands.put(("call", (fn, box, done), None, None))
-        self._wake.set()
+        self._submit(("call", (fn, box, done), None, None))
         done.wait()
         if "error" in box:
             raise box["error"]
@@ -167,11 +184,24 @@ class AsyncEngine:
         try:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
         except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            self._abort_now(request_id)
+
+    def _abort_now(self, request_id: str) -> None:
+        """On the engine thread: forget the request's stream and load, abort it if it still runs."""
+        self._streams.pop(request_id, None)
+        self._unload(request_id)
+        if self.engine.is_unfinished(request_id):
             self.engine.abort(request_id)
+            if self.on_aborted is not None:
+                self.on_aborted(request_id)
 
     def _apply(self, kind: str, payload: Any, admitted: Any, stream: Any) -> None:
         if kind == "add":
             prompt, params, request_id, ids, priority, ttft_slo_ms = payload
+            if self._closed:  # the final drain: nothing will run it
+                self._unload(request_id)
+                stream.loop.call_soon_threadsafe(_settle, admitted, self._not_running())
+                return
             try:
                 self.engine.add_request(prompt, params, request_id=request_id, prompt_token_ids=ids,
                                         priority=priority, ttft_slo_ms=ttft_slo_ms)
@@ -185,12 +215,7 @@ class AsyncEngine:
             self._streams[request_id] = stream
             stream.loop.call_soon_threadsafe(_settle, admitted, None)
         elif kind == "abort":
-            self._streams.pop(payload, None)
-            self._unload(payload)
-            if self.engine.is_unfinished(payload):
-                self.engine.abort(payload)
-                if self.on_aborted is not None:
-                    self.on_aborted(payload)
+            self._abort_now(payload)
         elif kind == "call":
             fn, box, done = payload
             try:
@@ -237,6 +262,8 @@ class AsyncEngine:
                         logger.exception("on_finished hook failed")
                 self._deliver(out.request_id, out)
         # shutting down: whoever still waits learns why
+        with self._submit_lock:
+            self._closed = True
         self._drain()
         for request_id in list(self._streams):
             self._deliver(request_id, EngineError("the engine shut down"))

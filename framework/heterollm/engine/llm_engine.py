@@ -10,13 +10,10 @@ import logging
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-
-import torch
 from dataclasses import dataclass, field
 from typing import Any
 
 from heterollm.config import HeterollmConfig
-from heterollm.config.base import INT32_MAX
 from heterollm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from heterollm.engine.request import Request, RequestRejected
 from heterollm.engine.step_profiler import StepProfiler
@@ -27,7 +24,7 @@ from heterollm.model_executor.loader import resolve_model
 from heterollm.model_executor.runner import LaunchContext, model_max_len, resolve_dtype
 from heterollm.sampling import SamplingParams
 from heterollm.scheduler import Scheduler
-from heterollm.scheduler.latency import LatencyTargets, StepTimeModel
+from heterollm.engine.latency_profile import latency_targets, profile_step_time
 from heterollm.scheduler.policy import SchedulingPolicy
 from heterollm.tokenizer import IncrementalDetokenizer, load_tokenizer
 
@@ -80,6 +77,14 @@ class LLMEngine:
             from heterollm.distributed.executor import MultiprocExecutor
             executor_cls = MultiprocExecutor
         self.executor = executor_cls(LaunchContext(config, self.selection, self.source, max_len))
+        try:
+            self._start(config, max_len, dp_rank)
+        except BaseException:  # a half-built engine must not leave worker processes behind
+            self.executor.shutdown()
+            raise
+
+    def _start(self, config: HeterollmConfig, max_len: int, dp_rank: int) -> None:
+        """Load the weights, size and allocate the KV cache, and build the scheduler around it."""
         self.executor.load_model()
         block_size = config.kv_cache.block_size
         num_blocks = self.executor.determine_num_blocks()
@@ -98,7 +103,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.source.folder, self.source.gguf_file, config.fastdeploy.tokenizer,
                                         self.source.eos_token_ids, config.fastdeploy.chat_template)
         self.eos_token_ids = self.tokenizer.eos_token_ids
-        self.vocab_size = hf.vocab_size
+        self.vocab_size = self.source.hf_config.vocab_size
         kvc = config.kv_cache
         idle_limit = None
         idle_bytes = self.selection.platform.idle_kv_budget_bytes
@@ -115,7 +120,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv, max_len,
                                    in_batch_prefix_cache=kvc.enable_prefix_cache and kvc.enable_in_batch_prefix_cache,
                                    policy=SchedulingPolicy(config.scheduler, config.profile.max_global_ttft_ms),
-                                   latency=self._latency_targets(config))
+                                   latency=latency_targets(config))
         self._worker = (ThreadPoolExecutor(1, thread_name_prefix="heterollm-step")
                         if config.scheduler.enable_schedule_overlap else None)
         """--enable_schedule_overlap: runs the executor's steps; None runs them inline."""
@@ -126,37 +131,7 @@ class LLMEngine:
         if self.scheduler.latency is not None:
             if self.profiler is not None:
                 self.profiler.model = self.scheduler.latency.model
-            self._profile_step_time()
-
-    @staticmethod
-    def _latency_targets(config: HeterollmConfig) -> LatencyTargets | None:
-        prof = config.profile
-        if not prof.enable_latency_aware_schedule:
-            return None
-        ttft = prof.max_global_ttft_ms if prof.max_global_ttft_ms < INT32_MAX else None
-        return LatencyTargets(StepTimeModel(), prof.max_global_tpot_ms, ttft)
-
-    def _profile_step_time(self) -> None:
-        """Seed the step-time model: prefills of growing length up to --profile_max_prompt_length,
-        then decode batches of growing size, with random tokens, before any request is admitted."""
-        t0 = time.perf_counter()
-        cfg = self.config.scheduler
-        longest = min(self.config.profile.profile_max_prompt_length, cfg.max_tokens_per_batch, self.max_model_len - 2,
-                      self.scheduler.chunk_size)
-        gen = torch.Generator().manual_seed(0)
-        sizes = sorted({max(1, longest >> k) for k in range(0, 10, 2)})
-        batches = [[(n, 1)] for n in sizes] + [[(32, 4)] * b for b in (1, 4, 16) if b <= cfg.max_seqs_per_batch]
-        for batch in batches:
-            ids = [self.add_request(torch.randint(3, self.vocab_size, (n,), generator=gen).tolist(),
-                                    SamplingParams(max_tokens=m, temperature=0, ignore_eos=True),
-                                    request_id=f"__profile-{uuid.uuid4().hex}") for n, m in batch]
-            while any(self.is_unfinished(i) for i in ids):
-                self.step()
-        self.kv.reset_counters()
-        if self.kv_events is not None:
-            self.kv.take_events()
-        logger.info("latency-aware scheduling: profiled %d steps in %.1f s; %s", len(self.scheduler.latency.model.samples),
-                    time.perf_counter() - t0, self.scheduler.latency.model.describe())
+            profile_step_time(self)
 
     # -- requests --------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from dataclasses import dataclass, field
 from heterollm.interfaces import TokenLogprobs
+from heterollm.interfaces.batch import SamplingInfo
 from heterollm.sampling import SamplingParams
 
 
@@ -57,6 +59,11 @@ class Request:
     """Admitted because it had waited past the starvation threshold: not preempted for priority."""
     num_pending: int = 0
     """Tokens sampled by a step still in flight (--enable_schedule_overlap), not yet appended."""
+
+    @functools.cached_property
+    def sampling_info(self) -> SamplingInfo:
+        """What the executor's workers need to sample (sent with every step instead of the request)."""
+        return SamplingInfo(self.params, self.seed_offset)
 
     @property
     def num_prompt_tokens(self) -> int:

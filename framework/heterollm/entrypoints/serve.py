@@ -80,6 +80,25 @@ def leave_a_core_for_the_server(replicas: int = 1) -> None:
                     torch.get_num_threads())
 
 
+def _replicas(cfg, dp: int) -> list:
+    """The --dp_size engines (each validates the launch and loads with every core); if one fails,
+    the ones already built are shut down (their worker processes with them)."""
+    from heterollm.engine.llm_engine import LLMEngine
+
+    engines = []
+    try:
+        for rank in range(dp):
+            engines.append(LLMEngine(cfg, dp_rank=rank))
+            if dp > 1 and engines[0].selection.platform.device_type != "cpu":
+                raise ConfigError(f"--dp_size={dp}: replicas share one process and one device; that is built for the "
+                                  f"CPU only (selected platform: {engines[0].selection.platform.name})")
+    except BaseException:
+        for engine in engines:
+            engine.shutdown()
+        raise
+    return engines
+
+
 def run_serve(loaded: LoadedConfig) -> int:
     import uvicorn
     from prometheus_client import start_http_server
@@ -99,7 +118,7 @@ def run_serve(loaded: LoadedConfig) -> int:
         _check_port(host, metrics_port, "metrics_port")
     settings = server_settings(loaded)
     dp = cfg.parallel.dp_size
-    engines = [LLMEngine(cfg, dp_rank=rank) for rank in range(dp)]  # validates the launch, loads with every core
+    engines = _replicas(cfg, dp)
     leave_a_core_for_the_server(dp)
     server = OpenAIServer(engines, settings)
     if metrics_port is not None:
@@ -119,7 +138,8 @@ def run_serve(loaded: LoadedConfig) -> int:
 
     server.on_engine_dead = engine_died
     http.run()
-    if server.async_engine.dead:
-        logger.error("exiting with status 1: %s", server.async_engine.dead)
+    dead = [r.dead for r in server.replicas if r.dead]
+    if dead:
+        logger.error("exiting with status 1: %s", dead[0])
         return 1
     return 0

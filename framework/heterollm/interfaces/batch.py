@@ -5,6 +5,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+@dataclass(frozen=True)
+class SamplingInfo:
+    """What a worker needs to sample for a request: its parameters and its seed offset (child i of
+    an n > 1 request samples with seed + i)."""
+
+    params: Any
+    seed_offset: int = 0
+
+
 @dataclass
 class ScheduledRequest:
     """One request's share of a step."""
@@ -19,7 +28,7 @@ class ScheduledRequest:
     sample: bool
     """Whether to sample a token after this step (False for a prefill chunk that is not the last)."""
     sampling: Any = None
-    """The request's SamplingParams (and generator state) when `sample` is True."""
+    """The request's SamplingInfo (`.params`, `.seed_offset`)."""
     output_token_ids: list[int] = field(default_factory=list)
     """Tokens generated so far (for penalties)."""
     prompt_token_ids: list[int] = field(default_factory=list)

@@ -195,6 +195,8 @@ class KVCacheManager:
             self._lookups[request_id] = (len(tokens), len(hits) * self.block_size)
         if hits:
             self._hits[request_id] = hits
+        else:  # a match from an earlier, unadmitted attempt may point at blocks evicted since
+            self._hits.pop(request_id, None)
         return len(hits) * self.block_size
 
     def commit_due(self, request_id: str, num_computed: int) -> bool:

@@ -151,8 +151,10 @@ class Scheduler:
             if scheduled:
                 return self._build(scheduled)
 
-        # running: decodes first, then requests still prefilling in chunks (each by the policy's rank)
-        order = sorted(self.running, key=lambda r: (not r.is_decoding, self.policy.rank(r)))
+        # running: decodes first, then requests still prefilling in chunks; under priority and deadline,
+        # by rank first, so a better request is scheduled (and can take blocks from worse ones) before them
+        order = sorted(self.running, key=lambda r: (not r.is_decoding,) if self.policy.fcfs else
+                       (self.policy.rank(r), not r.is_decoding))
         for request in order:
             if request.request_id in scheduled or request.status is not RequestStatus.RUNNING:
                 continue
@@ -173,8 +175,8 @@ class Scheduler:
                 if num_new == 0:
                     continue
             while self.kv.allocate(request.request_id, request.num_computed_tokens + num_new) is None:
-                victim = self.policy.victim(r for r in self.running
-                                            if r.request_id not in scheduled and r is not request)
+                victim = self.policy.victim((r for r in self.running if r.request_id not in scheduled and r is not request),
+                                            worse_than=None if self.policy.fcfs else request)
                 self._preempt(victim or request)
                 if victim is None:
                     break
@@ -289,7 +291,7 @@ class Scheduler:
             sample = start + num_new == r.num_total_tokens
             item = ScheduledRequest(
                 request_id=request_id, new_token_ids=tokens, num_computed_tokens=start,
-                block_ids=list(self.kv.tables[request_id]), sample=sample, sampling=r,
+                block_ids=list(self.kv.tables[request_id]), sample=sample, sampling=r.sampling_info,
                 output_token_ids=r.output_token_ids, prompt_token_ids=r.prompt_token_ids,
                 want_prompt_logprobs=r.params.prompt_logprobs is not None
                 and start < r.num_prompt_tokens - 1 and min(start + num_new, r.num_prompt_tokens - 1) >= self._have(r))

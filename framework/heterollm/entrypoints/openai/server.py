@@ -278,7 +278,7 @@ class OpenAIServer:
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 # each prompt gets its own copy: the engine fills in max_tokens per request
                 p = SamplingParams(**{**params.__dict__})
-                replica = min(self.replicas, key=lambda r: r.load)
+                replica = min((r for r in self.replicas if r.alive), key=lambda r: r.load, default=self.replicas[0])
                 streams.append(await replica.add(text if text is not None else ids, p, rid,
                                                            prompt_token_ids=ids,
                                                            first_output_timeout=self.settings.max_waiting_time,
