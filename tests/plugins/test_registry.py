@@ -57,8 +57,8 @@ def test_unknown_family_lists_installed():
 
 def test_missing_platform_lists_installed():
     with pytest.raises(LaunchError) as info:
-        resolve(cfg("--device=mlu"), Registry.discover())
-    assert "no platform 'mlu' is installed" in str(info.value) and "cpu (heterollm-cpu" in str(info.value)
+        resolve(cfg("--device=xpu"), Registry.discover())
+    assert "no platform 'xpu' is installed" in str(info.value) and "cpu (heterollm-cpu" in str(info.value)
 
 
 def test_component_validate_reasons_collected():
@@ -146,11 +146,11 @@ def test_family_without_component_for_platform(fake_dists):
 
 
 def test_unavailable_platform_named(fake_dists):
-    fake_dists("fakeplug-npu", "1.0", {"heterollm.platforms": {"npu": "fakeplug_npu.platform:FakeNpu"}},
+    fake_dists("fakeplug-npu", "1.0", {"heterollm.platforms": {"fakenpu": "fakeplug_npu.platform:FakeNpu"}},
                {"fakeplug_npu/__init__.py": GOOD_ATTENTION, "fakeplug_npu/platform.py": """
                     from heterollm_cpu.platform import CpuPlatform
                     class FakeNpu(CpuPlatform):
-                        name = "npu"
+                        name = "fakenpu"
                         device_type = "npu"
                         dist_backend = "hccl"
                         default_impl = "npu"
@@ -161,7 +161,7 @@ def test_unavailable_platform_named(fake_dists):
                 """})
     reg = Registry.discover()
     with pytest.raises(LaunchError, match="torch_npu not importable"):
-        resolve(cfg("--device=npu"), reg)
+        resolve(cfg("--device=fakenpu"), reg)
     assert resolve(cfg("--device=auto"), reg).platform.name == "cpu"
 
 

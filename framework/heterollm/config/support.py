@@ -51,6 +51,9 @@ RULES: dict[str, Rule] = {
              "use_audio_in_video audio_max_upload_file_mb audio_max_decode_duration_s enable_mm_encoder_dp "
              "enable_return_embedding_modality_tags mm_processor_kwargs limit_mm_per_prompt enable_mm", MULTIMODAL),
     **_rules("engine_worker_queue_port cache_queue_port", NO_EQUIVALENT),
+    **_rules("enable_graph enable_graph_mode_decode_no_padding max_tokens_for_graph_mode",
+             "graph execution needs a device graph runner (CUDA graphs, ACL graph, MLU graph); the CPU runs every step "
+             "eagerly", ("cuda", "npu", "mlu")),
     **_rules("rpc_channel_timeout_ms num_threads num_request_handling_threads "
              "num_response_handling_threads", IN_PROCESS),
 }
@@ -72,7 +75,7 @@ _planned("ep_size cp_size kv_split_size "
          "worker_memory_master_node_addr enable_attn_dp_weight_sharding enable_eplb "
          "redundant_experts_num eplb_update_interval expert_parallel_degree enable_expert_parallel "
          "enable_dp_fair_token_budget", "the parallelism issue")
-_planned("enable_graph enable_graph_mode_decode_no_padding max_tokens_for_graph_mode graph_optimization_config "
+_planned("graph_optimization_config "
          "enable_shm use_contiguous_input_buffer input_shm_size output_shm_size",
          "the accelerator backends issue")
 _planned("draft_model num_speculative_tokens speculative_algorithm speculative_suffix_cache_max_depth "

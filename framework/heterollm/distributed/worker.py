@@ -74,6 +74,7 @@ def _build(config: Any, rank: int, world_size: int, address: str, max_model_len:
     from heterollm.model_executor.runner import LaunchContext
 
     selection = launch_selection(config)
+    selection.platform.set_device(rank)
     if rank != 0:
         wait_for_master(address, config.server.max_reconnect_count, world_size)
     communicator = selection.component("communicators")(rank, world_size, address)
@@ -95,8 +96,10 @@ def _serve(executor: Any, ctrl: Any, rank: int, conn: Any) -> None:
         result, error = None, None
         try:
             result = getattr(executor, method)(*args)
-        except Exception as exc:  # answered to the engine; the loop goes on
+        except Exception as exc:
             logger.exception("rank %d: %s failed", rank, method)
+            if rank != 0:  # nobody hears this rank's answer: leave, so the engine sees a dead worker
+                os._exit(1)
             error = exc
         if method == "determine_num_blocks":  # every rank must hold the cache: the smallest count wins
             counts: list[Any] = [None] * dist.get_world_size()

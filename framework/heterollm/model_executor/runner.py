@@ -52,6 +52,21 @@ def model_max_len(config: HeterollmConfig, hf_config: Any) -> int:
     return max_len
 
 
+def graph_batch_sizes(config: HeterollmConfig) -> list[int]:
+    """Decode batch sizes a graph runner captures (`--enable_graph`): up to `--max_tokens_for_graph_mode`
+    (0: no limit) and `--max_seqs_per_batch`; every size with `--enable_graph_mode_decode_no_padding`,
+    else 1, 2, 4, then multiples of 8 (a batch replays the smallest bucket that holds it, padded)."""
+    ex = config.execution
+    if not ex.enable_graph:
+        return []
+    limit = config.scheduler.max_seqs_per_batch
+    if ex.max_tokens_for_graph_mode > 0:
+        limit = min(limit, ex.max_tokens_for_graph_mode)
+    if ex.enable_graph_mode_decode_no_padding:
+        return list(range(1, limit + 1))
+    return sorted({s for s in (1, 2, 4) if s < limit} | set(range(8, limit + 1, 8)) | {limit})
+
+
 @dataclass
 class LaunchContext:
     """What an executor is constructed with."""
@@ -173,7 +188,7 @@ class ModelRunner:
         # empty, not zeros: pages are committed as blocks are first written; backends never read
         # a slot that has not been written for the sequence reading it
         self.kv_caches = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
-        self.graph_runner.capture(self._forward, [])
+        self.graph_runner.capture(self._forward, graph_batch_sizes(self.config))
 
     # -- one step --------------------------------------------------------------------------
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Pick the platform and one implementation per component group, once, in the launcher.
 
-`--device` names the platform (auto: the first available accelerator, CPU last). The family is
+`--device` names the platform (auto: the first available accelerator, CPU last; platforms whose
+tensors live on the host, other than cpu, are used only when named). The family is
 `--extension_impl`, or the platform's `default_impl` when that is empty. For each component
 group the family's entry is used when it exists and lists the platform; other groups keep the
 platform's default family. Every reason the selection cannot serve the config is collected into
@@ -79,8 +80,9 @@ def _platform(registry: Registry, device: str) -> tuple[Entry, Platform]:
             raise LaunchError([f"--device={device}: platform {device} ({entry.origin}) is not usable here: "
                                f"{platform.unavailable_reason()}"])
         return entry, platform
-    healthy = [e for e in registry.all("platforms") if e.ok]
-    # accelerators first (by name, for determinism), the CPU reference last
+    # accelerators first (by name, for determinism), the CPU reference last; other platforms whose
+    # tensors live on the host (a template, an emulator) are only used when named
+    healthy = [e for e in registry.all("platforms") if e.ok and (e.name == "cpu" or e.obj.device_type != "cpu")]
     healthy.sort(key=lambda e: (e.name == "cpu", e.name))
     for entry in healthy:
         if len(registry.candidates("platforms", entry.name)) > 1:
@@ -88,7 +90,7 @@ def _platform(registry: Registry, device: str) -> tuple[Entry, Platform]:
         platform = entry.obj()
         if platform.is_available():
             return entry, platform
-        logger.info("platform %s not usable: %s", entry.name, platform.unavailable_reason())
+        logger.debug("platform %s not usable: %s", entry.name, platform.unavailable_reason())
     raise LaunchError([f"--device=auto: no usable platform (installed: {_installed_platforms(registry)})"])
 
 

@@ -1,0 +1,9 @@
+"""Paged attention on CUDA: the core's graph-capturable torch implementation (SDPA picks flash or
+memory-efficient kernels on CUDA); decode steps run batched with fixed shapes."""
+from __future__ import annotations
+
+from heterollm.model_executor.paged_attention import TorchPagedAttention
+
+
+class CudaPagedAttention(TorchPagedAttention):
+    platforms = ("cuda",)

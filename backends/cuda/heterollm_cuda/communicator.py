@@ -1,0 +1,9 @@
+"""Collectives over NCCL (torch.distributed)."""
+from __future__ import annotations
+
+from heterollm.distributed.communicator import TorchDistributedCommunicator
+
+
+class NcclCommunicator(TorchDistributedCommunicator):
+    platforms = ("cuda",)
+    backend = "nccl"

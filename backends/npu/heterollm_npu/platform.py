@@ -1,0 +1,16 @@
+"""The Ascend NPU platform over torch_npu (torch.npu). Probing imports torch_npu once, which is
+all its vendor allows before a device is used."""
+from __future__ import annotations
+
+from heterollm.model_executor.device_backend import GRAPH_FLAGS, ExtensionPlatform
+
+
+class NpuPlatform(ExtensionPlatform):
+    name = "npu"
+    device_type = "npu"
+    dist_backend = "hccl"
+    default_impl = "npu"
+    extension = "torch_npu"
+    built = GRAPH_FLAGS | {"npu_kernel_backend"}
+    """npu_kernel_backend: AUTO and TORCH both run the torch kernels, the only ones here; every other
+    NPU-owned flag is refused at launch until it is built."""

@@ -1,0 +1,68 @@
+"""A Communicator over a torch.distributed process group: the collectives every backend whose
+vendor library plugs into torch.distributed (gloo, nccl, hccl, cncl, ...) can share. A backend
+subclasses it and names its `backend` and `platforms`."""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+from heterollm.interfaces import Communicator
+
+
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+"""How long a collective waits for a rank before failing (torch's default is 30 minutes): a rank on
+another node that died fails the step after this, instead of hanging it for half an hour."""
+
+
+class TorchDistributedCommunicator(Communicator):
+    backend: ClassVar[str] = "gloo"
+    """The torch.distributed backend the process group is created with."""
+
+    @classmethod
+    def validate(cls, config) -> list[str]:
+        return []
+
+    def __init__(self, rank: int, world_size: int, init_method: str | None) -> None:
+        self._rank, self._world_size = rank, world_size
+        self._owns_group = False
+        if world_size > 1 and not dist.is_initialized():
+            dist.init_process_group(self.backend, init_method=init_method, rank=rank, world_size=world_size,
+                                    timeout=COLLECTIVE_TIMEOUT)
+            self._owns_group = True
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._world_size > 1:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        if self._world_size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self._world_size)]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        if self._world_size > 1:
+            dist.broadcast(tensor, src)
+        return tensor
+
+    def barrier(self) -> None:
+        if self._world_size > 1:
+            dist.barrier()
+
+    def destroy(self) -> None:
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_group = False

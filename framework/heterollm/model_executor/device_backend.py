@@ -1,0 +1,90 @@
+"""Helpers for device backends whose vendor library is a torch extension (torch_npu, torch_mlu):
+probing it, a Platform over its `torch.<device>` module, and refusing the flags a platform owns
+but has not built yet."""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import Any, ClassVar
+
+from heterollm.interfaces import Platform
+
+
+def probe_extension(module: str, device_attr: str) -> tuple[Any | None, str]:
+    """(torch's device module, "") when `module` imports and reports a device, else (None, why).
+    Importing the extension initializes it once, as its vendor allows; nothing more is touched."""
+    if importlib.util.find_spec(module) is None:
+        return None, f"{module} is not installed"
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # a broken or mismatched vendor install: say which
+        return None, f"{module} failed to import: {exc}"
+    import torch
+
+    mod = getattr(torch, device_attr, None)
+    if mod is None or not mod.is_available():
+        return None, f"{module} is installed but no {device_attr.upper()} device is visible"
+    return mod, ""
+
+
+GRAPH_FLAGS = frozenset({"enable_graph", "enable_graph_mode_decode_no_padding", "max_tokens_for_graph_mode"})
+"""Flags the core's device-graph runner (model_executor/graph_capture.py) implements."""
+
+
+def unbuilt_owned_flags(config: Any, platform: str, built: frozenset[str] = frozenset()) -> list[str]:
+    """One line per flag the support table gives to `platform` that is set but not built here."""
+    from heterollm.config.schema import FLAG_SPECS
+    from heterollm.config.support import RULES
+
+    values = config.flat()
+    problems = []
+    for name, rule in RULES.items():
+        if platform not in rule.platforms or name in built:
+            continue
+        default = FLAG_SPECS[name].field.get_default(call_default_factory=True)
+        if values[name] != default:
+            problems.append(f"--{name}={values[name]}: owned by the {platform} platform but not implemented by "
+                            f"heterollm-{platform} yet")
+    return problems
+
+
+class ExtensionPlatform(Platform):
+    """A Platform whose device module (`torch.npu`, `torch.mlu`) comes from a torch extension
+    package. Subclasses set the Platform names plus `extension` (the package) and `built` (the
+    platform-owned flags they implement)."""
+
+    extension: ClassVar[str]
+    built: ClassVar[frozenset[str]] = GRAPH_FLAGS
+
+    def _probe(self) -> tuple[Any | None, str]:
+        return probe_extension(self.extension, self.device_type)
+
+    def is_available(self) -> bool:
+        return self._probe()[0] is not None
+
+    def unavailable_reason(self) -> str:
+        return self._probe()[1]
+
+    def device_count(self) -> int:
+        mod, _ = self._probe()
+        return mod.device_count() if mod is not None else 0
+
+    def memory_info(self, device: int = 0) -> tuple[int, int]:
+        free, total = self._probe()[0].mem_get_info(device)
+        return int(free), int(total)
+
+    def set_device(self, rank: int) -> None:
+        mod, _ = self._probe()
+        mod.set_device(rank % max(1, mod.device_count()))
+
+    def synchronize(self) -> None:
+        self._probe()[0].synchronize()
+
+    def seed(self, seed: int) -> None:
+        import torch
+
+        torch.manual_seed(seed)
+        self._probe()[0].manual_seed_all(seed)
+
+    def validate(self, config: Any) -> list[str]:
+        return unbuilt_owned_flags(config, self.name, self.built)
