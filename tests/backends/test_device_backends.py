@@ -172,3 +172,64 @@ def test_cuda_refuses_the_cuda_flags_it_does_not_build_and_accepts_graphs():
     cfg = load_config([], overrides={"model": "x", "enable_custom_all_reduce": True, "enable_graph": True}).config
     assert CudaPlatform().validate(cfg) == [
         "--enable_custom_all_reduce=True: owned by the cuda platform but not implemented by heterollm-cuda yet"]
+
+
+GRAPH_FAMILY = '''
+from heterollm.model_executor.graph_capture import DeviceGraphRunner, GraphOps
+from heterollm.model_executor.paged_attention import TorchPagedAttention
+
+
+class Attention(TorchPagedAttention):
+    platforms = ("cpu",)
+
+
+class RerunOps(GraphOps):
+    def capture(self, fn):
+        out = fn().clone()
+        return (fn, out), out
+
+    def replay(self, graph):
+        fn, out = graph
+        out.copy_(fn())
+
+
+class Runner(DeviceGraphRunner):
+    platforms = ("cpu",)
+
+    def make_ops(self):
+        return RerunOps()
+
+    def capture(self, forward, batch_sizes):  # the CPU refuses --enable_graph: capture these sizes anyway
+        super().capture(forward, batch_sizes or [1, 2, 4, 8])
+'''
+
+
+def test_device_path_through_the_engine_gives_the_reference_tokens(tmp_path, fake_dists):
+    """The device backends' attention and graph runner, registered as a family for the CPU, run by
+    the real engine and model runner: the same greedy tokens as the CPU reference, decode steps
+    replayed from (re-run) graphs with padded buckets."""
+    from heterollm.plugins import get_registry
+
+    fake_dists("fakeplug-graphs", "1.0", {"heterollm.attention": {"graphs": "fakeplug_graphs.family:Attention"},
+                                          "heterollm.graph_runners": {"graphs": "fakeplug_graphs.family:Runner"}},
+               {"fakeplug_graphs/__init__.py": '__heterollm_api__ = ">=1.0,<2"\n',
+                "fakeplug_graphs/family.py": GRAPH_FAMILY})
+    get_registry(refresh=True)
+    try:
+        folder = build_tiny_model(tmp_path / "llama", "llama")
+        p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+        prompts = [[5, 6, 7], list(range(100, 130)), [9] * 4]  # decode batches of 3: bucket 4, one padded row
+        runs = {}
+        for impl in ("", "graphs"):
+            llm = LLM(str(folder), dtype="float32", block_size=4, num_gpu_blocks_override=64, extension_impl=impl)
+            outs = llm.generate(prompts, p)
+            runs[impl] = ([o.outputs[0].token_ids for o in outs],
+                          [lp.logprob for o in outs for lp in o.outputs[0].logprobs])
+            if impl:
+                assert llm.engine.executor.runner.graph_runner.num_replays >= 10
+            llm.shutdown()
+        assert runs["graphs"][0] == runs[""][0]
+        assert runs["graphs"][1] == pytest.approx(runs[""][1], abs=1e-4)
+    finally:  # rediscovered lazily by the next user, once the fake distribution is gone
+        import heterollm.plugins.registry as registry
+        registry._REGISTRY = None
