@@ -35,3 +35,22 @@ def test_overlapped_server_answers_like_the_plain_one(tiny_llama):
                 return list(pool.map(one, range(8)))
 
     assert answers(enable_schedule_overlap=True) == answers()
+
+
+def test_a_failed_step_fails_its_requests_only_and_drops_the_prefix_cache(tiny_llama):
+    engine = make_engine(tiny_llama, enable_in_batch_prefix_cache=True)
+    with serving(engine) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+        body = {"model": MODEL, "prompt": list(range(5, 40)), "max_tokens": 4, "temperature": 0}
+        want = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        assert engine.kv.pool.num_cached > 0
+        execute = engine.executor.execute
+
+        def fail_once(so):
+            engine.executor.execute = execute
+            raise RuntimeError("injected device fault")
+        engine.executor.execute = fail_once
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 500 and "injected device fault" in r.json()["error"]["message"]
+        assert engine.kv.pool.num_cached == 0  # nothing registered by the failed step survives
+        assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == want
+        assert srv.server.async_engine.alive

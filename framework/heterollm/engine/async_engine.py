@@ -253,6 +253,8 @@ class AsyncEngine:
                 for request_id in list(self._streams):
                     self.engine.abort(request_id)
                     self._deliver(request_id, EngineError(f"the engine failed on this batch: {exc}"))
+                # blocks registered when the failed step was scheduled (in-batch sharing) hold no K/V
+                self.engine.kv.reset_prefix_cache()
                 continue
             for out in outputs:
                 if out.finished and self.on_finished is not None:
