@@ -1,0 +1,227 @@
+"""The OpenAI response bodies of one generation request: ids, names, usage, logprobs, whole
+responses and SSE chunks (streams of several prompts and choices merged in arrival order)."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from heterollm.engine.async_engine import RequestStream
+from heterollm.engine.outputs import RequestOutput
+from heterollm.interfaces import TokenLogprobs
+
+
+class ResponseBuilder:
+    """One generation request's response building: ids, names, usage, logprobs, chunks."""
+
+    def __init__(self, server: Any, request_id: str, obj: str, body: Any,
+                 prompts: list[tuple[str | None, list[int]]], streams: list[RequestStream],
+                 logprobs: int | None) -> None:
+        self.server, self.id, self.object, self.body = server, request_id, obj, body
+        self.prompts, self.streams, self.logprobs = prompts, streams, logprobs
+        self.created = int(time.time())
+        self.model = server.model_name
+        self.n = body.n
+
+    # -- pieces ----------------------------------------------------------------------------
+    def _usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+    def _completion_logprobs(self, lps: list[tuple[int, TokenLogprobs | None]], offset: int) -> dict[str, Any]:
+        """OpenAI's legacy logprobs object; (token id, logprobs) pairs, None for the first prompt token."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        pos = offset
+        tok = self.server._token_str
+        for token_id, lp in lps:
+            s = tok(token_id)
+            tokens.append(s)
+            offsets.append(pos)
+            pos += len(s)
+            if lp is None:
+                token_lps.append(None)
+                tops.append(None)
+                continue
+            token_lps.append(lp.logprob)
+            top = {tok(t): v for t, v in lp.top[: self.logprobs or 0]}
+            top.setdefault(s, lp.logprob)
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _chat_logprobs(self, lps: list[TokenLogprobs]) -> dict[str, Any]:
+        tok = self.server._token_str
+
+        def entry(t: int, v: float) -> dict[str, Any]:
+            s = tok(t)
+            return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
+
+        return {"content": [{**entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [entry(t, v) for t, v in lp.top[: self.logprobs or 0]]}
+                            for lp in lps]}
+
+    @staticmethod
+    def _prompt_pairs(out: RequestOutput) -> list[tuple[int, TokenLogprobs | None]]:
+        lps = list(out.prompt_logprobs or [])
+        lps += [None] * (len(out.prompt_token_ids) - len(lps))
+        return list(zip(out.prompt_token_ids, lps))
+
+    def _prompt_text(self, i: int) -> str:
+        text, ids = self.prompts[i]
+        return text if text is not None else self.server.engine.tokenizer.decode(ids, skip_special_tokens=False)
+
+    # -- whole responses -------------------------------------------------------------------
+    def completion_response(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for i, out in enumerate(outs):
+            prompt_tokens += len(out.prompt_token_ids)
+            prefix = self._prompt_text(i) if self.body.echo else ""
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                logprobs = None
+                if self.logprobs is not None:
+                    lps = self._prompt_pairs(out) if self.body.echo else []
+                    lps += [(lp.token_id, lp) for lp in c.logprobs or []]
+                    logprobs = self._completion_logprobs(lps, 0)
+                choices.append({"index": i * self.n + c.index, "text": prefix + c.text, "logprobs": logprobs,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": choices,
+                "usage": self._usage(prompt_tokens, completion_tokens, sum(o.metrics.num_cached_tokens for o in outs))}
+
+    def chat_response(self, out: RequestOutput) -> dict[str, Any]:
+        choices, completion_tokens = [], 0
+        prefix = self._echo_prefix()
+        for c in out.outputs:
+            completion_tokens += len(c.token_ids)
+            choices.append({"index": c.index, "message": {"role": "assistant", "content": prefix + c.text},
+                            "logprobs": self._chat_logprobs(c.logprobs or []) if self.logprobs is not None else None,
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": choices,
+                "usage": self._usage(len(out.prompt_token_ids), completion_tokens, out.metrics.num_cached_tokens)}
+
+    def _echo_prefix(self) -> str:
+        """vLLM's chat echo: the content of a final assistant message the answer continues."""
+        if not self.body.echo:
+            return ""
+        last = self.body.messages[-1]
+        if last.role != "assistant":
+            return ""
+        return last.as_template_message()["content"]
+
+    # -- streams ---------------------------------------------------------------------------
+    async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        if len(self.streams) == 1:
+            async for out in self.streams[0]:
+                yield 0, out
+            return
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, s: RequestStream) -> None:
+            try:
+                async for out in s:
+                    q.put_nowait((i, out))
+            except Exception as exc:
+                q.put_nowait((i, exc))
+            finally:
+                q.put_nowait((i, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await q.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            for s in self.streams:
+                s.close()
+
+    def _stream_opts(self) -> tuple[bool, bool]:
+        o = self.body.stream_options
+        return (bool(o and o.include_usage), bool(o and o.continuous_usage_stats))
+
+    def _chunk(self, obj: str, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict:
+        chunk = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            chunk["usage"] = usage
+        return chunk
+
+    async def stream_completion(self) -> AsyncIterator[dict[str, Any]]:
+        include_usage, continuous = self._stream_opts()
+        prompt_tokens = sum(len(ids) for _, ids in self.prompts)
+        generated: dict[int, int] = {}
+        sent_echo: set[int] = set()
+        offsets: dict[int, int] = {}
+        cached: dict[int, int] = {}
+        try:
+            async for i, out in self._merged():
+                cached[i] = out.metrics.num_cached_tokens
+                for c in out.outputs:
+                    index = i * self.n + c.index
+                    text = c.delta_text
+                    lps = []
+                    if self.logprobs is not None:
+                        done = generated.get(index, 0)
+                        lps = [(lp.token_id, lp) for lp in (c.logprobs or [])[done:len(c.token_ids)]]
+                    if self.body.echo and index not in sent_echo:
+                        sent_echo.add(index)
+                        text = self._prompt_text(i) + text
+                        if self.logprobs is not None:
+                            lps = self._prompt_pairs(out) + lps
+                    generated[index] = len(c.token_ids)
+                    if not text and not c.finish_reason and not lps:
+                        continue
+                    logprobs = None
+                    if self.logprobs is not None:
+                        logprobs = self._completion_logprobs(lps, offsets.get(index, 0))
+                    offsets[index] = offsets.get(index, 0) + len(text)
+                    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                              "stop_reason": c.stop_reason}
+                    usage = (self._usage(prompt_tokens, sum(generated.values()), sum(cached.values()))
+                             if continuous else None)
+                    yield self._chunk("text_completion", [choice], usage)
+        finally:
+            for s in self.streams:
+                s.close()
+        if include_usage:
+            yield self._chunk("text_completion", [],
+                              self._usage(prompt_tokens, sum(generated.values()), sum(cached.values())))
+
+    async def stream_chat(self) -> AsyncIterator[dict[str, Any]]:
+        include_usage, continuous = self._stream_opts()
+        prompt_tokens = len(self.prompts[0][1])
+        generated: dict[int, int] = {}
+        cached = 0
+        for index in range(self.n):
+            first = {"role": "assistant", "content": self._echo_prefix()}
+            yield self._chunk("chat.completion.chunk", [{"index": index, "delta": first, "logprobs": None,
+                                                         "finish_reason": None}],
+                              self._usage(prompt_tokens, 0) if continuous else None)
+        try:
+            async for _, out in self._merged():
+                cached = out.metrics.num_cached_tokens
+                for c in out.outputs:
+                    done = generated.get(c.index, 0)
+                    lps = list((c.logprobs or [])[done:len(c.token_ids)]) if self.logprobs is not None else []
+                    generated[c.index] = len(c.token_ids)
+                    if not c.delta_text and not c.finish_reason and not lps:
+                        continue
+                    choice = {"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
+                              "logprobs": self._chat_logprobs(lps) if self.logprobs is not None else None,
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    usage = self._usage(prompt_tokens, sum(generated.values()), cached) if continuous else None
+                    yield self._chunk("chat.completion.chunk", [choice], usage)
+        finally:
+            for s in self.streams:
+                s.close()
+        if include_usage:
+            yield self._chunk("chat.completion.chunk", [], self._usage(prompt_tokens, sum(generated.values()), cached))
