@@ -250,11 +250,13 @@ class AsyncEngine:
             except Exception as exc:
                 self.step_errors += 1
                 logger.exception("engine step failed; failing the requests in flight")
-                for request_id in list(self._streams):
+                failed = list(self._streams)
+                for request_id in failed:
                     self.engine.abort(request_id)
-                    self._deliver(request_id, EngineError(f"the engine failed on this batch: {exc}"))
                 # blocks registered when the failed step was scheduled (in-batch sharing) hold no K/V
                 self.engine.kv.reset_prefix_cache()
+                for request_id in failed:
+                    self._deliver(request_id, EngineError(f"the engine failed on this batch: {exc}"))
                 continue
             for out in outputs:
                 if out.finished and self.on_finished is not None:
