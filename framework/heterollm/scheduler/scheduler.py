@@ -15,6 +15,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from heterollm.config.scheduling import SchedulerConfig
 from heterollm.engine.request import Request, RequestRejected, RequestStatus
@@ -24,6 +25,21 @@ from heterollm.scheduler.latency import LatencyTargets
 from heterollm.scheduler.policy import SchedulingPolicy
 
 logger = logging.getLogger("heterollm.scheduler")
+
+
+@dataclass
+class _Step:
+    """One scheduling decision in the making: what is left of the budgets, what is taken so far."""
+
+    budget: int
+    seqs: int
+    now: float
+    chunked: bool
+    protect: bool = False
+    """Decodes are running and latency-aware admission keeps their TPOT target."""
+    scheduled: dict[str, int] = field(default_factory=dict)
+    shape: list[tuple[int, int]] = field(default_factory=list)
+    """(tokens, cached context) of each request taken, for the step-time model."""
 
 
 class Scheduler:
@@ -100,97 +116,90 @@ class Scheduler:
         logger.debug("preempted %s (recompute)", victim.request_id)
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_tokens_per_batch
-        seq_budget = self.config.max_seqs_per_batch
-        chunked = self.config.enable_chunked_prefill
-        scheduled: dict[str, int] = {}
-        shape: list[tuple[int, int]] = []  # (tokens, cached context) of each request scheduled so far
-        now = self.clock()
-        self._order_waiting(now)
-        protect = self.latency is not None and any(r.is_decoding for r in self.running)
+        step = _Step(self.config.max_tokens_per_batch, self.config.max_seqs_per_batch, self.clock(),
+                     self.config.enable_chunked_prefill)
+        self._order_waiting(step.now)
+        step.protect = self.latency is not None and any(r.is_decoding for r in self.running)
+        if not self.config.enable_mix_batch and self.waiting and self._waiting_fits():
+            self._admit_waiting(step)  # a prefill-only step
+            if step.scheduled:
+                return self._build(step.scheduled)
+        self._schedule_running(step)
+        if self.config.enable_mix_batch or not step.scheduled:
+            self._admit_waiting(step)
+        return self._build(step.scheduled)
 
-        def fit(request: Request, num_new: int, ctx: int) -> int:
-            """The prefill tokens the TPOT target leaves room for (all of them when not protecting)."""
-            if not protect or self.latency.ttft_at_risk(now - request.arrival_time, request.num_total_tokens - ctx,
-                                                        ctx, request.ttft_slo_ms):
-                return num_new
-            return self.latency.cap(shape, num_new, ctx, chunked)
+    def _fit(self, step: _Step, request: Request, num_new: int, ctx: int) -> int:
+        """The prefill tokens the TPOT target leaves room for (all of them when not protecting)."""
+        if not step.protect or self.latency.ttft_at_risk(step.now - request.arrival_time,
+                                                         request.num_total_tokens - ctx, ctx, request.ttft_slo_ms):
+            return num_new
+        return self.latency.cap(step.shape, num_new, ctx, step.chunked)
 
-        def try_waiting() -> None:
-            nonlocal budget, seq_budget
-            while self.waiting and budget > 0 and seq_budget > 0:
-                request = self.waiting[0]
-                if request.num_pending:  # preempted while its last step is in flight: wait for its token
-                    break
-                cached = self._match_prefix(request)
-                remaining = request.num_tokens - cached
-                num_new = min(remaining, budget, self.chunk_size) if chunked else remaining
-                if num_new > budget:  # only without chunking: the whole prompt must fit this step
-                    break
-                num_new = fit(request, num_new, cached)
-                if num_new == 0:
-                    break
-                if self.kv.allocate(request.request_id, cached + num_new) is None:
-                    break
-                request.num_computed_tokens = cached
-                if request.num_cached_tokens is None:
-                    request.num_cached_tokens = cached
-                self.waiting.popleft()
-                request.starved = request.starved or self.policy.starving(request, now)
-                request.status = RequestStatus.RUNNING
-                self.running.append(request)
-                self._commit_now(request, num_new)
-                scheduled[request.request_id] = num_new
-                shape.append((num_new, cached))
-                budget -= num_new
-                seq_budget -= 1
+    def _take(self, step: _Step, request: Request, num_new: int, ctx: int) -> None:
+        self._commit_now(request, num_new)
+        step.scheduled[request.request_id] = num_new
+        step.shape.append((num_new, ctx))
+        step.budget -= num_new
+        step.seqs -= 1
 
-        prefill_only = not self.config.enable_mix_batch and bool(self.waiting) and self._waiting_fits()
-        if prefill_only:
-            try_waiting()
-            if scheduled:
-                return self._build(scheduled)
+    def _admit_waiting(self, step: _Step) -> None:
+        """Admit waiting requests in queue order while the budgets, the cache and the TPOT target allow."""
+        while self.waiting and step.budget > 0 and step.seqs > 0:
+            request = self.waiting[0]
+            if request.num_pending:  # preempted while its last step is in flight: wait for its token
+                break
+            cached = self._match_prefix(request)
+            remaining = request.num_tokens - cached
+            num_new = min(remaining, step.budget, self.chunk_size) if step.chunked else remaining
+            if num_new > step.budget:  # only without chunking: the whole prompt must fit this step
+                break
+            num_new = self._fit(step, request, num_new, cached)
+            if num_new == 0 or self.kv.allocate(request.request_id, cached + num_new) is None:
+                break
+            request.num_computed_tokens = cached
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = cached
+            self.waiting.popleft()
+            request.starved = request.starved or self.policy.starving(request, step.now)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._take(step, request, num_new, cached)
 
-        # running: decodes first, then requests still prefilling in chunks; under priority and deadline,
-        # by rank first, so a better request is scheduled (and can take blocks from worse ones) before them
+    def _schedule_running(self, step: _Step) -> None:
+        """Running requests: decodes first, then those still prefilling in chunks; under priority and
+        deadline by rank first, so a better request is scheduled (and can take blocks from worse ones)
+        before them. A request that cannot get blocks preempts a worse one, or yields itself."""
         order = sorted(self.running, key=lambda r: (not r.is_decoding,) if self.policy.fcfs else
                        (self.policy.rank(r), not r.is_decoding))
         for request in order:
-            if request.request_id in scheduled or request.status is not RequestStatus.RUNNING:
+            if request.request_id in step.scheduled or request.status is not RequestStatus.RUNNING:
                 continue
             if request.num_pending and self._ends_with_pending(request):
                 continue
-            if budget <= 0 or seq_budget <= 0:
+            if step.budget <= 0 or step.seqs <= 0:
                 break
-            if not self.config.enable_mix_batch and scheduled and request.is_decoding != self._decoding(scheduled):
+            if (not self.config.enable_mix_batch and step.scheduled
+                    and request.is_decoding != self._decoding(step.scheduled)):
                 continue
             if not request.is_decoding:
                 self._rematch(request)
             remaining = request.num_uncomputed
-            num_new = min(remaining, budget, self.chunk_size if not request.is_decoding else remaining)
-            if not chunked and num_new < remaining:
+            num_new = min(remaining, step.budget, self.chunk_size if not request.is_decoding else remaining)
+            if not step.chunked and num_new < remaining:
                 continue
             if not request.is_decoding:
-                num_new = fit(request, num_new, request.num_computed_tokens)
+                num_new = self._fit(step, request, num_new, request.num_computed_tokens)
                 if num_new == 0:
                     continue
             while self.kv.allocate(request.request_id, request.num_computed_tokens + num_new) is None:
-                victim = self.policy.victim((r for r in self.running if r.request_id not in scheduled and r is not request),
-                                            worse_than=None if self.policy.fcfs else request)
+                others = (r for r in self.running if r.request_id not in step.scheduled and r is not request)
+                victim = self.policy.victim(others, worse_than=None if self.policy.fcfs else request)
                 self._preempt(victim or request)
                 if victim is None:
                     break
-            if request.status is not RequestStatus.RUNNING:
-                continue
-            self._commit_now(request, num_new)
-            scheduled[request.request_id] = num_new
-            shape.append((num_new, request.num_computed_tokens))
-            budget -= num_new
-            seq_budget -= 1
-
-        if self.config.enable_mix_batch or not scheduled:
-            try_waiting()
-        return self._build(scheduled)
+            if request.status is RequestStatus.RUNNING:
+                self._take(step, request, num_new, request.num_computed_tokens)
 
     def _order_waiting(self, now: float) -> None:
         """Sort the waiting queue by the policy, report requests past their TTFT deadline, and under
