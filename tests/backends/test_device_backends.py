@@ -12,11 +12,12 @@ import torch
 from helpers import build_tiny_model
 from heterollm import LLM, SamplingParams
 from heterollm.config import load_config
-from heterollm.model_executor.graph_capture import DeviceGraphRunner, GraphOps
+from heterollm.model_executor.graph_capture import DeviceGraphRunner
 from heterollm.model_executor.layers import ForwardContext
 from heterollm.model_executor.paged_attention import TorchPagedAttention
 from heterollm.model_executor.runner import graph_batch_sizes
 from heterollm.testing.conformance import check_paged_attention
+from heterollm.testing.graphs import RerunGraphOps
 
 CUDA = torch.cuda.is_available()
 
@@ -65,28 +66,11 @@ def test_batch_size_buckets():
     assert sizes(enable_graph=True, enable_graph_mode_decode_no_padding=True, max_seqs_per_batch=5) == [1, 2, 3, 4, 5]
 
 
-class RerunOps(GraphOps):
-    """'Captures' by keeping the function; a replay re-runs it into the captured output tensor, so
-    it reads exactly what the static buffers hold, as a device graph would."""
-
-    def __init__(self) -> None:
-        self.captures = 0
-
-    def capture(self, fn):
-        self.captures += 1
-        out = fn().clone()
-        return (fn, out), out
-
-    def replay(self, graph):
-        fn, out = graph
-        out.copy_(fn())
-
-
 class Runner(DeviceGraphRunner):
     platforms = ("cpu",)
 
     def make_ops(self):
-        return RerunOps()
+        return RerunGraphOps()
 
 
 @pytest.fixture(scope="module")
@@ -175,29 +159,20 @@ def test_cuda_refuses_the_cuda_flags_it_does_not_build_and_accepts_graphs():
 
 
 GRAPH_FAMILY = '''
-from heterollm.model_executor.graph_capture import DeviceGraphRunner, GraphOps
+from heterollm.model_executor.graph_capture import DeviceGraphRunner
 from heterollm.model_executor.paged_attention import TorchPagedAttention
+from heterollm.testing.graphs import RerunGraphOps
 
 
 class Attention(TorchPagedAttention):
     platforms = ("cpu",)
 
 
-class RerunOps(GraphOps):
-    def capture(self, fn):
-        out = fn().clone()
-        return (fn, out), out
-
-    def replay(self, graph):
-        fn, out = graph
-        out.copy_(fn())
-
-
 class Runner(DeviceGraphRunner):
     platforms = ("cpu",)
 
     def make_ops(self):
-        return RerunOps()
+        return RerunGraphOps()
 
     def capture(self, forward, batch_sizes):  # the CPU refuses --enable_graph: capture these sizes anyway
         super().capture(forward, batch_sizes or [1, 2, 4, 8])

@@ -93,8 +93,12 @@ class DeviceGraphRunner(GraphRunner):
         self.sizes: list[int] = []
         self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}
         self.static: _Static | None = None
-        self.width = 0
         self.num_replays = 0
+
+    @property
+    def width(self) -> int:
+        """Block-table columns the static buffers (and so the captured graphs) hold; 0 before any."""
+        return 0 if self.static is None else self.static.block_tables.shape[1]
 
     def capture(self, forward: Callable[..., Any], batch_sizes: Sequence[int]) -> None:
         self.sizes = sorted(set(batch_sizes))
@@ -127,7 +131,6 @@ class DeviceGraphRunner(GraphRunner):
         long = dict(dtype=torch.long, device=device)
         self.static = _Static(torch.zeros(size, **long), torch.zeros(size, **long), torch.zeros(size, **long),
                               torch.ones(size, **long), torch.zeros(size, width, **long))
-        self.width = width
         self.graphs.clear()  # captured graphs point at the old buffers
 
     def _fill(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, kv_cache: torch.Tensor, n: int,
