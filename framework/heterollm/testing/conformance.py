@@ -18,7 +18,6 @@ A platform that is installed but not available here (no device) skips every chec
 from __future__ import annotations
 
 import random
-import tempfile
 from pathlib import Path
 
 import pytest
