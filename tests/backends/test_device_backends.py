@@ -39,9 +39,9 @@ def test_launch_on_a_missing_device_names_it(cli, device, why):
     assert r.rc == 2 and f"--device={device}" in r.err and why in r.err and "Traceback" not in r.err
 
 
-def test_graph_flags_are_refused_on_cpu(cli):
-    r = cli("generate", "--model", "smollm2", "--prompt", "x", "--enable_graph")
-    assert r.rc == 2 and "--enable_graph=true: graph execution needs a device graph runner" in r.err
+def test_the_device_graph_padding_flag_is_refused_on_cpu(cli):
+    r = cli("generate", "--model", "smollm2", "--prompt", "x", "--enable_graph_mode_decode_no_padding")
+    assert r.rc == 2 and "--enable_graph_mode_decode_no_padding=true: device graphs only" in r.err
 
 
 def test_npu_refuses_the_npu_flags_it_does_not_build():
@@ -174,7 +174,7 @@ class Runner(DeviceGraphRunner):
     def make_ops(self):
         return RerunGraphOps()
 
-    def capture(self, forward, batch_sizes):  # the CPU refuses --enable_graph: capture these sizes anyway
+    def capture(self, forward, batch_sizes):  # capture these sizes without --enable_graph
         super().capture(forward, batch_sizes or [1, 2, 4, 8])
 '''
 

@@ -30,6 +30,23 @@ def slot_mapping(tables: torch.Tensor, context_lens: torch.Tensor, query_lens: t
     return pos, tables[seq, pos // block_size] * block_size + pos % block_size
 
 
+def _write_kv(kv_cache: torch.Tensor, fresh_blocks: torch.Tensor, slots: torch.Tensor, key: torch.Tensor,
+              value: torch.Tensor) -> None:
+    """Zero the step's fresh blocks, then store its new K/V (T, KV, D) in their slots, in place."""
+    num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[-1]
+    if len(fresh_blocks):
+        kv_cache.index_fill_(2, fresh_blocks, 0)
+    # (KV, slots, D) views; the new tokens' (T, KV, D) go in as (KV, T, D)
+    kv_cache[0].view(num_kv_heads, -1, head_dim).index_copy_(1, slots, key.transpose(0, 1).to(kv_cache.dtype))
+    kv_cache[1].view(num_kv_heads, -1, head_dim).index_copy_(1, slots, value.transpose(0, 1).to(kv_cache.dtype))
+
+
+# The same write as an op torch.compile treats as one in-place call (the CPU graph runner): traced
+# as plain index_copy_ calls, the cache (a graph input) would be written functionally, i.e. copied
+# whole on every step.
+torch.library.custom_op("heterollm_cpu::write_kv", _write_kv, mutates_args=("kv_cache",))
+
+
 @dataclass
 class CpuAttentionMetadata(AttentionMetadata):
     """Adds the per-step gather plans every layer reuses: which cache slots each decode and each
@@ -47,6 +64,17 @@ class CpuAttentionMetadata(AttentionMetadata):
     prefills: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]] = field(default_factory=list)
     """(start, end, block ids covering positions 0..seq_len, causal mask (q, seq_len)); both None
     when the chunk has no cached context and attends to its own K/V."""
+
+    @property
+    def decode_only(self) -> bool:
+        """Every sequence decodes one token (what the graph runner compiles)."""
+        return self.decode_rows is not None and not self.prefills
+
+    def dynamic_dims(self) -> list[tuple[torch.Tensor, int]]:
+        """The dimensions that change from one decode-only step to the next (batch, context blocks):
+        the CPU graph runner compiles them as symbols, everything else as constants."""
+        return [(self.slot_mapping, 0), (self.fresh_blocks, 0), (self.decode_rows, 0), (self.decode_blocks, 0),
+                (self.decode_bias, 1), (self.decode_bias, 3)]
 
 
 class CpuPagedAttention(AttentionBackend):
@@ -100,13 +128,10 @@ class CpuPagedAttention(AttentionBackend):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: CpuAttentionMetadata, scale: float) -> torch.Tensor:
         _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
-        if len(metadata.fresh_blocks):
-            kv_cache.index_fill_(2, metadata.fresh_blocks, 0)
-        # (KV, slots, D) views; the new tokens' (T, KV, D) go in as (KV, T, D)
-        kv_cache[0].view(num_kv_heads, -1, head_dim).index_copy_(1, metadata.slot_mapping,
-                                                                 key.transpose(0, 1).to(kv_cache.dtype))
-        kv_cache[1].view(num_kv_heads, -1, head_dim).index_copy_(1, metadata.slot_mapping,
-                                                                 value.transpose(0, 1).to(kv_cache.dtype))
+        if torch.compiler.is_compiling():  # one opaque in-place op: a compiled step must not copy the cache
+            torch.ops.heterollm_cpu.write_kv(kv_cache, metadata.fresh_blocks, metadata.slot_mapping, key, value)
+        else:
+            _write_kv(kv_cache, metadata.fresh_blocks, metadata.slot_mapping, key, value)
         if metadata.decode_rows is not None and not metadata.prefills:  # decode-only step: no scatter back
             return self._decode(query, kv_cache, metadata.decode_blocks, metadata.decode_bias, scale)
         out = torch.empty_like(query)
@@ -132,10 +157,11 @@ class CpuPagedAttention(AttentionBackend):
                 scale: float) -> torch.Tensor:
         """query (B, H, D), one token per sequence; blocks (B * nb,); bias (1, B, 1, L). -> (B, H, D)"""
         num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[-1]
-        b = query.shape[0]
-        k = kv_cache[0].index_select(1, blocks).view(num_kv_heads, b, -1, head_dim)  # (KV, B, L, D)
-        v = kv_cache[1].index_select(1, blocks).view(num_kv_heads, b, -1, head_dim)
-        q = query.reshape(b, num_kv_heads, -1, head_dim).transpose(0, 1).to(k.dtype)  # (KV, B, G, D)
+        b, heads, length = query.shape[0], query.shape[1], bias.shape[-1]
+        # explicit sizes, no -1: under torch.compile a batch of one then takes the same graph as any other
+        k = kv_cache[0].index_select(1, blocks).view(num_kv_heads, b, length, head_dim)  # (KV, B, L, D)
+        v = kv_cache[1].index_select(1, blocks).view(num_kv_heads, b, length, head_dim)
+        q = query.reshape(b, num_kv_heads, heads // num_kv_heads, head_dim).transpose(0, 1).to(k.dtype)  # (KV, B, G, D)
         scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale).add_(bias)  # (KV, B, G, L)
         probs = scores.softmax(-1).to(v.dtype)
-        return torch.matmul(probs, v).transpose(0, 1).reshape(b, -1, head_dim).to(query.dtype)
+        return torch.matmul(probs, v).transpose(0, 1).reshape(b, heads, head_dim).to(query.dtype)

@@ -13,6 +13,8 @@ which pays at small batches (single-stream decode); torch's int kernels are slow
 GEMM at tens of rows, so they are not the throughput setting."""
 from __future__ import annotations
 
+import itertools
+import weakref
 from typing import Any
 
 import torch
@@ -25,18 +27,50 @@ from heterollm.model_executor.linear_method import LinearMethod
 _PACK_HINT = {torch.bfloat16: 1, torch.float32: 64}
 
 
+class PackedWeight:
+    """A weight in oneDNN's opaque blocked layout. torch.compile cannot trace an opaque tensor, so a
+    compiled step reaches it through the `heterollm_cpu::packed_linear` op by its integer key (a
+    constant of the graph); the registry holds the pack only while a layer does."""
+
+    _live: weakref.WeakValueDictionary[int, PackedWeight] = weakref.WeakValueDictionary()
+    _keys = itertools.count()
+
+    def __init__(self, packed: torch.Tensor) -> None:
+        self.packed = packed
+        self.key = next(self._keys)
+        self._live[self.key] = self
+
+    @property
+    def nbytes(self) -> int:
+        """Its logical size (the opaque layout's own is not exposed): what `state_bytes` counts."""
+        return self.packed.numel() * self.packed.element_size()
+
+
+@torch.library.custom_op("heterollm_cpu::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, key: int) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, PackedWeight._live[key].packed, None, "none", [], "")
+
+
+@packed_linear.register_fake
+def _packed_linear_shape(x: torch.Tensor, key: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], PackedWeight._live[key].packed.shape[0])
+
+
 class OneDnnLinear(LinearMethod):
     name = "onednn"
 
-    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+    def prepare(self, weight: torch.Tensor) -> Any:
         if weight.dtype not in _PACK_HINT or not torch.backends.mkldnn.is_available():
             return weight  # fp16 and builds without oneDNN keep F.linear
-        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_HINT[weight.dtype])
+        return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_HINT[weight.dtype]))
 
-    def apply(self, state: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if state.is_mkldnn:
-            return torch.ops.mkldnn._linear_pointwise(x, state, bias, "none", [], "")
-        return F.linear(x, state, bias)
+    def apply(self, state: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if not isinstance(state, PackedWeight):
+            return F.linear(x, state, bias)
+        if torch.compiler.is_compiling():
+            y = torch.ops.heterollm_cpu.packed_linear(x, state.key)
+            return y if bias is None else y + bias
+        return torch.ops.mkldnn._linear_pointwise(x, state.packed, bias, "none", [], "")
 
 
 class WeightOnlyInt8(LinearMethod):

@@ -51,9 +51,12 @@ RULES: dict[str, Rule] = {
              "use_audio_in_video audio_max_upload_file_mb audio_max_decode_duration_s enable_mm_encoder_dp "
              "enable_return_embedding_modality_tags mm_processor_kwargs limit_mm_per_prompt enable_mm", MULTIMODAL),
     **_rules("engine_worker_queue_port cache_queue_port", NO_EQUIVALENT),
-    **_rules("enable_graph enable_graph_mode_decode_no_padding max_tokens_for_graph_mode",
-             "graph execution needs a device graph runner (CUDA graphs, ACL graph, MLU graph); the CPU runs every step "
-             "eagerly", ("cuda", "npu", "mlu")),
+    **_rules("enable_graph max_tokens_for_graph_mode",
+             "graph execution needs a graph runner (CUDA graphs, ACL graph, MLU graph, torch.compile on CPU)",
+             ("cuda", "npu", "mlu", "cpu")),
+    **_rules("enable_graph_mode_decode_no_padding",
+             "device graphs only: the CPU graph (torch.compile) has dynamic shapes and never pads a batch",
+             ("cuda", "npu", "mlu")),
     **_rules("rpc_channel_timeout_ms num_threads num_request_handling_threads "
              "num_response_handling_threads", IN_PROCESS),
 }

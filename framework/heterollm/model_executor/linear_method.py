@@ -84,14 +84,15 @@ def prepare_linears(model: nn.Module, method: LinearMethod | None) -> int:
 
 
 def state_bytes(state: Any) -> int:
-    """Bytes held by a prepared state: a tensor, or a tuple of tensors (and plain numbers)."""
+    """Bytes held by a prepared state: a tensor, a tuple of tensors (and plain numbers), or an object
+    with an `nbytes` attribute."""
     if isinstance(state, torch.Tensor):
         if state.is_mkldnn:  # opaque prepacked layout: its logical size is the best estimate
             return state.numel() * state.element_size()
         return state.untyped_storage().nbytes()
     if isinstance(state, (tuple, list)):
         return sum(state_bytes(s) for s in state)
-    return 0
+    return int(getattr(state, "nbytes", 0))  # a method's own holder object may say its size
 
 
 def model_bytes(model: nn.Module) -> int:

@@ -188,7 +188,29 @@ class ModelRunner:
         # empty, not zeros: pages are committed as blocks are first written; backends never read
         # a slot that has not been written for the sequence reading it
         self.kv_caches = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
-        self.graph_runner.capture(self._forward, graph_batch_sizes(self.config))
+        sizes = graph_batch_sizes(self.config)
+        self.graph_runner.capture(self._forward, sizes)
+        if sizes:
+            self._warm_up_graphs(sizes, num_blocks)
+
+    @torch.inference_mode()
+    def _warm_up_graphs(self, sizes: list[int], num_blocks: int) -> None:
+        """Run decode steps of 1 and 2 sequences through the graph runner before any request, so a
+        graph that is built on first use (a compiled CPU step, a captured device bucket) is built at
+        start-up, not in a request's TTFT. They write only slot 1 of the first blocks, which no
+        request owns yet (a one-slot block size takes two blocks per sequence)."""
+        started = time.perf_counter()
+        per_seq = -(-2 // self.block_size)  # blocks holding positions 0 and 1
+        for batch in sorted({1, max(1, min(2, sizes[-1], num_blocks // per_seq))}):
+            tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+            inputs = AttentionInputs(query_lens=[1] * batch, context_lens=[1] * batch, block_tables=tables,
+                                     block_size=self.block_size)
+            ctx = ForwardContext(self.attn_backend, self.attn_backend.build_metadata(inputs, self.device),
+                                 self.kv_caches)
+            self.graph_runner.run(self._forward, input_ids=torch.zeros(batch, dtype=torch.long, device=self.device),
+                                  positions=torch.ones(batch, dtype=torch.long, device=self.device), ctx=ctx)
+        logger.info("decode graphs warmed up (batch sizes up to %d) in %.1fs", sizes[-1],
+                    time.perf_counter() - started)
 
     # -- one step --------------------------------------------------------------------------
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
