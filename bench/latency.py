@@ -52,14 +52,15 @@ def run_heterollm(model: str, config: str, dtype: str, prompt: list[int], warm: 
                   output_len: int, repeats: int, ref_tokens: list[int] | None) -> tuple[dict, dict]:
     from heterollm import LLM, SamplingParams
 
-    flags = {"dtype": dtype}
-    if QUANT[config]:
-        flags["quantization"] = QUANT[config]
+    base, _, graph = config.partition("+")
+    flags = {"dtype": dtype, "enable_graph": bool(graph)}
+    if QUANT[base]:
+        flags["quantization"] = QUANT[base]
     t = time.perf_counter()
     llm = LLM(model, **flags)
     load_s = time.perf_counter() - t
     resolved = str(llm.engine.dtype).removeprefix("torch.")
-    label = f"heterollm {resolved if QUANT[config] is None else QUANT[config]}"
+    label = f"heterollm {resolved if QUANT[base] is None else QUANT[base]}" + (" --enable_graph" if graph else "")
     sp = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     llm.generate(warm, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     runs = []
@@ -77,7 +78,7 @@ def run_heterollm(model: str, config: str, dtype: str, prompt: list[int], warm: 
     ctx = {"source": llm.engine.source, "tokenizer": llm.get_tokenizer(),
            "chat_ids": list(llm.engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True))}
     row = _timing_row(label, runs)
-    row.update({"weights": f"{resolved}" + (f" {QUANT[config]}" if QUANT[config] else ""), "load_s": load_s,
+    row.update({"weights": f"{resolved}" + (f" {QUANT[base]}" if QUANT[base] else ""), "load_s": load_s,
                 "token_ids": list(lp.outputs[0].token_ids),
                 "logprobs": [t.logprob for t in (lp.outputs[0].logprobs or [])],
                 "forced_logprobs": [t.logprob for t in tf.prompt_logprobs[len(prompt):]],
@@ -163,7 +164,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="heterollm's dtype (and transformers'); auto = what `heterollm serve` picks")
     ap.add_argument("--configs", default="bf16,wint8,wint4",
-                    help="heterollm rows, comma list of bf16 (= --dtype), wint8, wint4; the first is the reference")
+                    help="heterollm rows, comma list of bf16 (= --dtype), wint8, wint4, each optionally +graph "
+                         "(--enable_graph); the first is the reference")
     ap.add_argument("--peers", default="transformers,llamacpp,vllm",
                     help="comma list of transformers, llamacpp, vllm ('' for none)")
     ap.add_argument("--hf-gguf-packed", action="store_true",
@@ -176,8 +178,9 @@ def main() -> int:
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     peers = [p.strip().replace("llama.cpp", "llamacpp") for p in args.peers.split(",") if p.strip()]
     for c in configs:
-        if c not in QUANT:
-            ap.error(f"--configs: unknown {c!r} (bf16, wint8, wint4)")
+        base, plus, graph = c.partition("+")
+        if base not in QUANT or (plus and graph != "graph"):
+            ap.error(f"--configs: unknown {c!r} (bf16, wint8, wint4, each optionally +graph)")
     for p in peers:
         if p not in ("transformers", "llamacpp", "vllm"):
             ap.error(f"--peers: unknown {p!r} (transformers, llamacpp, vllm)")

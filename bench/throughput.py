@@ -34,6 +34,34 @@ import torch
 import common
 
 
+def run_heterollm(args: argparse.Namespace, graph: bool) -> tuple[dict, list[list[int]], torch.dtype, object]:
+    """One heterollm row: load (timed, including the graph warm-up), a warm-up request, the timed run."""
+    from heterollm import LLM, SamplingParams
+
+    t = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype, enable_graph=graph)
+    load_s = time.perf_counter() - t
+    vocab = llm.engine.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(100, vocab - 100, (args.num_requests, args.prompt_len), generator=g).tolist()
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    ours_s = time.perf_counter() - t
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    ttfts = [o.metrics.ttft for o in outs if o.metrics.ttft is not None]
+    tpots = [o.metrics.tpot for o in outs if o.metrics.tpot is not None]
+    dtype, src = llm.engine.dtype, llm.engine.source
+    label = "heterollm --enable_graph" if graph else "heterollm"
+    print(f"{label:<13} {generated} tokens in {ours_s:7.2f}s = {generated / ours_s:8.1f} output tok/s", flush=True)
+    row = {"engine": label, "weights": str(dtype).removeprefix("torch."), "out_tok_s": generated / ours_s,
+           "time_s": ours_s, "tokens": generated, "ttft_ms": 1000 * statistics.fmean(ttfts) if ttfts else None,
+           "tpot_ms": 1000 * statistics.fmean(tpots) if tpots else None, "load_s": load_s}
+    llm.shutdown()
+    return row, prompts, dtype, src
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
@@ -49,6 +77,8 @@ def main() -> int:
                     help="comma list of more engines: vllm, llamacpp (transformers runs unless --skip-hf)")
     ap.add_argument("--vllm-enforce-eager", action="store_true",
                     help="vLLM without torch.compile (~30 s start instead of ~110 s, slower): smoke tests only")
+    ap.add_argument("--graph", action="store_true",
+                    help="a second heterollm row with --enable_graph (decode steps through torch.compile)")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
     peers = [p.strip().replace("llama.cpp", "llamacpp") for p in args.peers.split(",") if p.strip()]
@@ -57,34 +87,15 @@ def main() -> int:
             ap.error(f"--peers: unknown {p!r} (vllm, llamacpp)")
     peers = [p for p in peers if p != "transformers"]  # transformers: the default row, unless --skip-hf
 
-    from heterollm import LLM, SamplingParams
-
-    t = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype)
-    load_s = time.perf_counter() - t
-    vocab = llm.engine.vocab_size
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(100, vocab - 100, (args.num_requests, args.prompt_len), generator=g).tolist()
-    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
-    t = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    ours_s = time.perf_counter() - t
-    generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    ttfts = [o.metrics.ttft for o in outs if o.metrics.ttft is not None]
-    tpots = [o.metrics.tpot for o in outs if o.metrics.tpot is not None]
-    dtype = llm.engine.dtype
+    rows, prompts, dtype, src = [], None, None, None
+    for graph in (False, True) if args.graph else (False,):
+        row, prompts, dtype, src = run_heterollm(args, graph)
+        rows.append(row)
     dname = str(dtype).removeprefix("torch.")
-    src = llm.engine.source
+    ours_s, generated = rows[0]["time_s"], rows[0]["tokens"]
     result = {"model": args.model, "dtype": dname, "requests": args.num_requests,
               "prompt_len": args.prompt_len, "output_len": args.output_len, "threads": torch.get_num_threads(),
               "heterollm_s": round(ours_s, 2), "heterollm_out_tok_s": round(generated / ours_s, 1)}
-    print(f"heterollm     {generated} tokens in {ours_s:7.2f}s = {generated / ours_s:8.1f} output tok/s", flush=True)
-    rows = [{"engine": "heterollm", "weights": dname, "out_tok_s": generated / ours_s, "time_s": ours_s,
-             "tokens": generated, "ttft_ms": 1000 * statistics.fmean(ttfts) if ttfts else None,
-             "tpot_ms": 1000 * statistics.fmean(tpots) if tpots else None, "load_s": load_s}]
-    llm.shutdown()
-    del llm
 
     if not args.skip_hf:
         t = time.perf_counter()

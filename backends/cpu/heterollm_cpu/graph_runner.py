@@ -47,7 +47,10 @@ class CpuGraphRunner(GraphRunner):
         decode_only = getattr(meta, "decode_only", False) and hasattr(meta, "dynamic_dims")
         if not self.can_replay(inputs["input_ids"].shape[0], decode_only):
             return forward(**inputs)
-        for tensor, dim in [(inputs["input_ids"], 0), (inputs["positions"], 0), *meta.dynamic_dims()]:
+        # the caches' block count too: it follows free memory, and a graph specialized on it would miss
+        # inductor's on-disk cache on the next start
+        caches = [(cache, 2) for cache in inputs["ctx"].kv_caches]
+        for tensor, dim in [(inputs["input_ids"], 0), (inputs["positions"], 0), *meta.dynamic_dims(), *caches]:
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
         # no duck sizing or 0/1 specialization: a batch of one, one block or no fresh block takes the same graph
         with fx_config.patch(backed_size_oblivious=True, use_duck_shape=False):
