@@ -67,3 +67,9 @@ def test_cpu_accepts_graph_flags_but_not_the_device_only_padding_switch():
     assert check_support(cfg, "cpu") == [
         "--enable_graph_mode_decode_no_padding=true: device graphs only: the CPU graph (torch.compile) has dynamic "
         "shapes and never pads a batch (selected platform: cpu)"]
+
+
+def test_graph_with_tensor_parallel_is_refused_on_cpu():
+    cfg = load_config([], overrides={"model": "x", "enable_graph": True, "tp_size": 2}).config
+    assert "--enable_graph with --tp_size > 1 is not supported on CPU" in CpuGraphRunner.validate(cfg)[0]
+    assert CpuGraphRunner.validate(load_config([], overrides={"model": "x", "enable_graph": True}).config) == []

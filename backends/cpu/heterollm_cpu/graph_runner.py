@@ -1,13 +1,16 @@
 """The CPU's graph runner: eager unless `--enable_graph`. With it, decode-only steps run the model
 through `torch.compile` (inductor's C++/OpenMP code): the ~1,500 small torch calls of a step fuse
-into a few dozen loops between the GEMMs. One graph serves every decode batch up to the largest
+into a few dozen loops between the GEMMs. Two graphs serve every decode batch up to the largest
 size `graph_batch_sizes` asks for: the batch and context dimensions the attention metadata names
-(`dynamic_dims`) are compiled as symbols, without specializing on sizes 0 and 1. Prefill and mixed
-steps stay eager.
+(`dynamic_dims`) and the caches' block count are compiled as symbols, not specialized on sizes 0
+and 1, except that a batch of one gets its own graph (dynamo specializes a reshape in the attention
+on it). Prefill and mixed steps stay eager.
 
-Compiling costs about a minute on 2 cores the first time (the model runner compiles at start-up,
+Compiling costs about two minutes on 2 cores the first time (the model runner compiles at start-up,
 before the engine takes requests); inductor caches the result on disk (TORCHINDUCTOR_CACHE_DIR), so
-a restart only traces the model again (~10 s). Measured in bench/RESULTS.md (2026-12-04)."""
+a restart only traces the model again (~15 s). The graph is specialized on torch's thread count:
+changing it afterwards compiles again (`heterollm serve` sets its threads before the warm-up).
+Measured in bench/RESULTS.md (2026-12-04)."""
 from __future__ import annotations
 
 import logging
@@ -27,6 +30,9 @@ class CpuGraphRunner(GraphRunner):
 
     @classmethod
     def validate(cls, config) -> list[str]:
+        if config.execution.enable_graph and config.parallel.tp_size > 1:
+            return ["--enable_graph with --tp_size > 1 is not supported on CPU yet (each rank would compile the "
+                    "step on its own core, and collectives inside the compiled step are untested)"]
         return []
 
     def __init__(self) -> None:

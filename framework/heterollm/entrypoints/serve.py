@@ -118,8 +118,12 @@ def run_serve(loaded: LoadedConfig) -> int:
         _check_port(host, metrics_port, "metrics_port")
     settings = server_settings(loaded)
     dp = cfg.parallel.dp_size
-    engines = _replicas(cfg, dp)
-    leave_a_core_for_the_server(dp)
+    if cfg.execution.enable_graph:  # a compiled step is specialized on the thread count: compile with the serving one
+        leave_a_core_for_the_server(dp)
+        engines = _replicas(cfg, dp)
+    else:  # load with every core, then leave one
+        engines = _replicas(cfg, dp)
+        leave_a_core_for_the_server(dp)
     server = OpenAIServer(engines, settings)
     if metrics_port is not None:
         start_http_server(metrics_port, addr=host, registry=server.metrics.registry)
