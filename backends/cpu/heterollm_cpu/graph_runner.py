@@ -13,7 +13,6 @@ changing it afterwards compiles again (`heterollm serve` sets its threads before
 Measured in bench/RESULTS.md (2026-12-04)."""
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,8 +20,6 @@ import torch
 import torch.fx.experimental._config as fx_config
 
 from heterollm.interfaces import GraphRunner
-
-logger = logging.getLogger("heterollm.cpu.graph")
 
 
 class CpuGraphRunner(GraphRunner):
@@ -58,7 +55,7 @@ class CpuGraphRunner(GraphRunner):
         caches = [(cache, 2) for cache in inputs["ctx"].kv_caches]
         for tensor, dim in [(inputs["input_ids"], 0), (inputs["positions"], 0), *meta.dynamic_dims(), *caches]:
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
-        # no duck sizing or 0/1 specialization: a batch of one, one block or no fresh block takes the same graph
+        # no duck sizing or 0/1 specialization: one context block or no fresh block takes the same graph
         with fx_config.patch(backed_size_oblivious=True, use_duck_shape=False):
             out = self.compiled(**inputs)
         self.num_replays += 1
