@@ -132,7 +132,7 @@ class CpuPagedAttention(AttentionBackend):
             torch.ops.heterollm_cpu.write_kv(kv_cache, metadata.fresh_blocks, metadata.slot_mapping, key, value)
         else:
             _write_kv(kv_cache, metadata.fresh_blocks, metadata.slot_mapping, key, value)
-        if metadata.decode_rows is not None and not metadata.prefills:  # decode-only step: no scatter back
+        if metadata.decode_only:  # no scatter back
             return self._decode(query, kv_cache, metadata.decode_blocks, metadata.decode_bias, scale)
         out = torch.empty_like(query)
         if metadata.decode_rows is not None:
