@@ -22,6 +22,7 @@ from heterollm.kv_cache import KVCacheManager
 from heterollm.kv_cache.events import make_kv_event_publisher
 from heterollm.model_executor.loader import resolve_model
 from heterollm.model_executor.runner import LaunchContext, model_max_len, resolve_dtype
+from heterollm.plugins import make_plugin_manager
 from heterollm.sampling import SamplingParams
 from heterollm.scheduler import Scheduler
 from heterollm.engine.latency_profile import latency_targets, profile_step_time
@@ -64,6 +65,8 @@ class LLMEngine:
         self.config = config
         self.dp_rank = dp_rank
         self.selection = launch_selection(config)
+        self.plugins = make_plugin_manager()
+        """The general plugins' request hooks (`heterollm.plugins`), built once per engine."""
         self.source = resolve_model(config.model.model)
         self.dtype = resolve_dtype(config.device.dtype, self.source.hf_config, self.selection.platform,
                                    self.source.gguf_file is not None)
@@ -183,7 +186,8 @@ class LLMEngine:
             for child in children:
                 self.scheduler.add(child.request)
                 added.append(child)
-        except RequestRejected:
+            self._ask_plugins(request_id, ids, params)
+        except BaseException:
             for child in added:
                 self.scheduler.finish(child.request.request_id, "abort")
             raise
@@ -192,6 +196,20 @@ class LLMEngine:
         for child in children:
             self._children[child.request.request_id] = (parent, child)
         return request_id
+
+    def _ask_plugins(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestRejected with the first reason a plugin's `heterollm_on_request` gives."""
+        reasons = self.plugins.hook.heterollm_on_request(request_id=request_id,
+                                                         prompt_token_ids=list(prompt_token_ids), sampling=params)
+        if reasons:
+            raise RequestRejected("request", f"refused by a plugin: {reasons[0]}")
+
+    def _finished(self, output: RequestOutput) -> None:
+        """Tell the plugins a request ended (once per admitted request); their errors are logged."""
+        try:
+            self.plugins.hook.heterollm_on_request_finished(request_id=output.request_id, output=output)
+        except Exception:
+            logger.exception("a plugin's heterollm_on_request_finished failed for %s", output.request_id)
 
     def _check_scheduling_fields(self, priority: int, ttft_slo_ms: int | None) -> None:
         if isinstance(priority, bool) or not isinstance(priority, int) or not -2**31 <= priority < 2**31:
@@ -211,6 +229,7 @@ class LLMEngine:
         for child in parent.children:
             self.scheduler.finish(child.request.request_id, "abort")
             self._children.pop(child.request.request_id, None)
+        self._finished(self._output(parent))
 
     def is_unfinished(self, request_id: str) -> bool:
         """Whether `request_id` was admitted and has not finished or been aborted."""
@@ -348,11 +367,13 @@ class LLMEngine:
             parent = self._parents.get(pid)
             if parent is None:
                 continue
-            outs.append(self._output(parent))
+            out = self._output(parent)
+            outs.append(out)
             if parent.finished:
                 del self._parents[pid]
                 for child in parent.children:
                     self._children.pop(child.request.request_id, None)
+                self._finished(out)
         return outs
 
     def _output(self, parent: _Parent) -> RequestOutput:

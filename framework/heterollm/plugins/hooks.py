@@ -1,8 +1,9 @@
 """pluggy hookspecs for general plugins (entry-point group `heterollm.plugins`).
 
 A general plugin is any object (usually a module) with functions marked `@hookimpl`. It can add
-model architectures, reasoning / tool-call parsers, and observe or refuse requests, without
-patching the core:
+model architectures and observe or refuse requests, without patching the core. Every hookspec
+here is called by the core: the engine builds one plugin manager when it starts and calls the
+request hooks on every request it admits and finishes.
 
     from heterollm.plugins import hookimpl
 
@@ -14,11 +15,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 from heterollm.plugins.registry import Registry, get_registry
+
+if TYPE_CHECKING:  # the engine's types, named only in signatures (the engine imports this module)
+    from heterollm.engine.outputs import RequestOutput
+    from heterollm.sampling import SamplingParams
 
 PROJECT = "heterollm"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -34,18 +39,20 @@ class HeterollmHookSpec:
         """Register model architectures: `register(architecture, cls_or_"module:attr")`."""
 
     @hookspec
-    def heterollm_register_parsers(self, register_reasoning: Callable[[str, Any], None],
-                                   register_tool: Callable[[str, Any], None]) -> None:
-        """Register reasoning and tool-call parsers by the name `--reasoning_parser` /
-        `--tool_call_parser` select."""
+    def heterollm_on_request(self, request_id: str, prompt_token_ids: list[int],
+                             sampling: SamplingParams) -> str | None:
+        """Called by `LLMEngine.add_request` once per request (not per choice of an `n > 1` one),
+        after the engine's own checks passed and before any of it runs. Return None to let it
+        run, or a reason string to refuse it: the engine then admits nothing and raises
+        RequestRejected (a ValueError; HTTP 400 with the reason, the offline API raises it).
+        A refused request gets no `heterollm_on_request_finished`. Do not modify the arguments."""
 
     @hookspec
-    def heterollm_on_request(self, request_id: str, prompt_token_ids: list[int], sampling: Any) -> str | None:
-        """Called when a request is admitted; return a reason string to reject it (HTTP 400)."""
-
-    @hookspec
-    def heterollm_on_request_finished(self, request_id: str, output: Any) -> None:
-        """Called once a request has finished (any reason)."""
+    def heterollm_on_request_finished(self, request_id: str, output: RequestOutput) -> None:
+        """Called by the engine exactly once for every request it admitted, when it ends for any
+        reason: finished (`stop`, `length`) or aborted (client gone, failed step, no room in the
+        KV cache). `output` is its final RequestOutput (every choice has its finish_reason). An
+        exception raised here is logged and ignored."""
 
 
 def make_plugin_manager(registry: Registry | None = None) -> pluggy.PluginManager:
