@@ -21,19 +21,22 @@ class SamplingRow:
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Repetition (prompt + output, CTRL-style), presence and frequency (output only), in place."""
-    vocab = logits.shape[-1]
+    """Repetition (prompt + output, CTRL-style), presence and frequency (output only), in place.
+    Every tensor it builds lives on `logits.device`."""
+    vocab, device = logits.shape[-1], logits.device
     for i, row in enumerate(rows):
         p = row.params
         if not p.has_penalties:
             continue
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long)
+            seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long,
+                                device=device)
             if seen.numel():
                 vals = logits[i, seen]
                 logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and row.output_token_ids:
-            counts = torch.bincount(torch.tensor(row.output_token_ids, dtype=torch.long), minlength=vocab)[:vocab]
+            counts = torch.bincount(torch.tensor(row.output_token_ids, dtype=torch.long, device=device),
+                                    minlength=vocab)[:vocab]
             counts = counts.to(logits.dtype)
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
@@ -78,31 +81,40 @@ def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: list[
     return out
 
 
+def sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """One token per row of `logits` (rows, vocab): temperature, top-k / top-p / min-p, then a draw
+    with each row's own generator. Every tensor it builds lives on `logits.device`."""
+    device, dtype = logits.device, logits.dtype
+    params = [r.params for r in rows]
+    temps = torch.tensor([p.temperature for p in params], dtype=dtype, device=device).unsqueeze(1)
+    logits = apply_top_k_top_p_min_p(
+        logits / temps,
+        torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+        torch.tensor([p.top_p for p in params], dtype=dtype, device=device),
+        torch.tensor([p.min_p for p in params], dtype=dtype, device=device))
+    probs = logits.softmax(-1)
+    # exponential race: argmax(p / E), E ~ Exp(1), samples from p; per-request generators
+    noise = torch.empty_like(probs)
+    for j, row in enumerate(rows):
+        noise[j].exponential_(generator=row.generator)
+    return (probs / noise).argmax(-1)
+
+
 class Sampler:
+    """Turns a step's logits (rows, vocab), on any device, into one token per row plus the
+    logprobs each row asked for."""
+
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
         logits = logits.float()
         want_lp = [r.params.logprobs is not None for r in rows]
         raw_logprobs = logits.log_softmax(-1) if any(want_lp) else None
         if any(r.params.has_penalties for r in rows):
             logits = apply_penalties(logits.clone(), rows)
-        greedy = torch.tensor([r.params.greedy for r in rows])
         chosen = logits.argmax(-1)
-        if not bool(greedy.all()):
-            idx = (~greedy).nonzero().squeeze(1)
-            sub = logits[idx]
-            params = [rows[i].params for i in idx.tolist()]
-            temps = torch.tensor([p.temperature for p in params], dtype=sub.dtype).unsqueeze(1)
-            sub = apply_top_k_top_p_min_p(
-                sub / temps,
-                torch.tensor([p.top_k for p in params], dtype=torch.long),
-                torch.tensor([p.top_p for p in params], dtype=sub.dtype),
-                torch.tensor([p.min_p for p in params], dtype=sub.dtype))
-            probs = sub.softmax(-1)
-            # exponential race: argmax(p / E), E ~ Exp(1), samples from p; per-request generators
-            noise = torch.empty_like(probs)
-            for j, i in enumerate(idx.tolist()):
-                noise[j].exponential_(generator=rows[i].generator)
-            chosen[idx] = (probs / noise).argmax(-1)
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if sampled:
+            idx = torch.tensor(sampled, dtype=torch.long, device=logits.device)
+            chosen[idx] = sample_rows(logits[idx], [rows[i] for i in sampled])
         lps: list[TokenLogprobs | None] = [None] * len(rows)
         if raw_logprobs is not None:
             sel = [i for i, w in enumerate(want_lp) if w]
