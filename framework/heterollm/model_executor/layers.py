@@ -149,10 +149,23 @@ class RMSNorm(nn.Module):
 
 class RotaryEmbedding(nn.Module):
     """cos/sin table from transformers' own rope-parameter functions (default, linear, dynamic,
-    yarn, longrope, llama3), so scaling types match the reference exactly."""
+    yarn, longrope, llama3), so scaling types match the reference exactly.
+
+    The table is computed in fp32 on the CPU (transformers' functions return `inv_freq` there)
+    and then moved to the device the model is being built on (`torch.get_default_device()`,
+    i.e. the enclosing `with torch.device(...)`), so every device gets the same table."""
 
     def __init__(self, hf_config: Any, head_dim: int, max_positions: int) -> None:
         super().__init__()
+        device = torch.get_default_device()
+        with torch.device("cpu"):
+            cos, sin = self._table(hf_config, head_dim, max_positions)
+        self.register_buffer("cos", cos.to(device), persistent=False)
+        self.register_buffer("sin", sin.to(device), persistent=False)
+
+    @staticmethod
+    def _table(hf_config: Any, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each (max_positions, head_dim // 2) fp32, on the current default device."""
         params = getattr(hf_config, "rope_parameters", None) or {}
         rope_type = params.get("rope_type", "default")
         if rope_type == "default":
@@ -168,8 +181,7 @@ class RotaryEmbedding(nn.Module):
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
         t = torch.arange(max_positions, dtype=torch.float)
         freqs = torch.outer(t, inv_freq.float())
-        self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
-        self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
+        return freqs.cos() * scaling, freqs.sin() * scaling
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) rows for a step's positions, each (tokens, head_dim // 2); looked up once per
