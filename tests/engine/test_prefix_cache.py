@@ -102,14 +102,18 @@ def test_chunked_prefill_commits_chunk_by_chunk(tiny, off):
     long = SYSTEM + QUESTIONS[0] + QUESTIONS[1]
     engine = on.engine
     rid = engine.add_request(long, GREEDY)
-    engine.step()  # first chunk of 16 tokens: 2 full blocks are now findable
-    assert engine.kv.pool.num_cached == 2
+    cached_after = []  # blocks findable after each prefill step: 16-token chunks of 8-token blocks
+    final = None
     while engine.has_unfinished():
-        engine.step()
+        outs = engine.step()
+        if len(cached_after) < len(long) // 16:
+            cached_after.append(engine.kv.pool.num_cached)
+        final = next((o for o in outs if o.request_id == rid and o.finished), final)
+    assert cached_after == [2 * (i + 1) for i in range(len(long) // 16)], "two more blocks after every chunk"
     [ref] = off.generate([long], GREEDY)
     [again] = on.generate([long], GREEDY)
-    assert again.outputs[0].token_ids == ref.outputs[0].token_ids
-    assert rid
+    assert final.outputs[0].token_ids == again.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert again.metrics.num_cached_tokens == (len(long) - 1) // 8 * 8, "every full prompt block but the last token's"
 
 
 def test_prompt_logprobs_requests_compute_every_position(tiny, off):

@@ -65,11 +65,11 @@ def test_overlap_gives_the_same_tokens(tiny, extra):
     for overlap in (False, True):
         llm = LLM(str(tiny), **FLAGS, **extra, enable_schedule_overlap=overlap)
         prompts, params = workload(llm.engine.vocab_size)
-        runs[overlap] = summary(llm.generate([{"prompt_token_ids": p} for p in prompts], params))
-        if extra["num_gpu_blocks_override"] == 40:
-            preempted = sum(r.num_preemptions for r in llm.engine.scheduler.requests.values())
-            assert preempted == 0  # all finished
-            assert llm.engine.scheduler.num_preemptions > 0
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        runs[overlap] = summary(outs)
+        assert not llm.engine.scheduler.requests, "every request finished and was forgotten"
+        if extra["num_gpu_blocks_override"] == 40:  # the preemptions happened, and each request reports its own
+            assert sum(o.metrics.num_preemptions for o in outs) == llm.engine.scheduler.num_preemptions > 0
         assert not llm.engine.has_unfinished() and llm.engine.kv.num_free_blocks == llm.engine.num_blocks
         llm.shutdown()
     assert runs[True][0] == runs[False][0]

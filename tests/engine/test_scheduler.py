@@ -51,10 +51,20 @@ def test_no_mix_batch_separates_prefill_and_decode():
     run_step(s)
     s.add(req("b", 20))
     assert run_step(s) == {"b": 8}  # waiting prefill first, alone
-    steps = [run_step(s) for _ in range(6)]
-    for st in steps:
-        kinds = {s.requests[r].is_decoding for r in st if r in s.requests}
-        assert len(kinds) <= 1
+    kinds = [step_kinds(s) for _ in range(4)]
+    # b's started prefill goes on before a's decodes (else it waits for all 100 of a's tokens), alone
+    assert kinds == [{"b": "prefill"}, {"b": "prefill"}] + [{"a": "decode", "b": "decode"}] * 2
+
+
+def step_kinds(s) -> dict[str, str]:
+    """Run one step; what each of its requests was doing, read off the batch as it was scheduled (a
+    request decodes when its input starts past its prompt)."""
+    so = s.schedule()
+    kinds = {r.request_id: "decode" if r.num_computed_tokens >= len(r.prompt_token_ids) else "prefill"
+             for r in so.requests}
+    s.update(so, RunnerOutput([r.request_id for r in so.requests], [[5] if r.sample else [] for r in so.requests],
+                              [None] * len(so.requests), [None] * len(so.requests)))
+    return kinds
 
 
 def test_chunk_size_flag():

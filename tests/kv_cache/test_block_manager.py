@@ -116,8 +116,15 @@ def test_shared_blocks_survive_one_owner_leaving():
     shared = m.tables["a"][:2]
     m.free("a")
     assert all(m.pool.ref[x] == 1 for x in shared)
-    m.allocate("c", 14 * BS) if m.can_allocate("c", 14 * BS) else None
-    assert m.tables["b"][:2] == shared and m.pool.num_cached == 2, "in-use blocks are never evicted"
+    run(m, "d", list(range(100, 109)))
+    m.free("d")  # 2 cached blocks nobody holds: the only ones the pool may evict
+    free = m.num_free_blocks
+    assert free == 16 - 3, "a's shared blocks are still held by b, with b's own third block"
+    assert m.allocate("big", (free + 1) * BS) is None, "one block more than the free ones"
+    assert m.allocate("c", free * BS) is not None  # takes every free block: d's cached ones are evicted
+    assert not set(m.tables["c"]) & set(m.tables["b"]), "in-use blocks are never handed out"
+    assert m.tables["b"][:2] == shared and all(m.pool.ref[x] == 1 for x in shared)
+    assert sorted(m.pool.cached.values()) == sorted(shared), "b's shared blocks stay cached, d's are evicted"
     m.free("b")
     m.free("c")
     assert m.num_free_blocks == 16

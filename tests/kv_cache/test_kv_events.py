@@ -182,6 +182,22 @@ def apply(state: dict[int, tuple[int | None, list[int]]], batch: KVEventBatch) -
             state.clear()
 
 
+def chain_links(seqs: list[list[int]], block_size: int, seed: int) -> dict[int, tuple[int | None, list[int]]]:
+    """{wire hash: (wire hash of the parent block, token ids)} of every full block of `seqs`, by
+    walking each sequence's hash chain from its first block."""
+    from heterollm.kv_cache.manager import hash_block
+
+    links: dict[int, tuple[int | None, list[int]]] = {}
+    for seq in seqs:
+        parent = None
+        for start in range(0, len(seq) - block_size + 1, block_size):
+            block = seq[start:start + block_size]
+            h = hash_block(parent, block, seed)
+            links[h & ev.HASH_MASK] = (None if parent is None else parent & ev.HASH_MASK, block)
+            parent = h
+    return links
+
+
 def request_snapshot(ctx: zmq.Context, endpoint: str) -> tuple[int, KVEventBatch]:
     req = ctx.socket(zmq.REQ)
     req.setsockopt(zmq.LINGER, 0)
@@ -443,8 +459,10 @@ def test_engine_events_match_the_cache_residency(tmp_path, ctx):
         rng = random.Random(1)
         system = [rng.randrange(100, 20000) for _ in range(30)]
         prompts = [system + [rng.randrange(100, 20000) for _ in range(rng.randrange(2, 30))] for _ in range(8)]
+        seqs = []  # every token sequence whose blocks the cache may hold
         for i in range(0, 8, 2):  # 4 rounds: the 20-block cache must evict
-            llm.generate(prompts[i:i + 2], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+            outs = llm.generate(prompts[i:i + 2], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+            seqs += [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
         resident = {h & ev.HASH_MASK for h in engine.kv.pool.cached}
         assert engine.kv.hits > 0 and len(resident) > 0
 
@@ -458,9 +476,9 @@ def test_engine_events_match_the_cache_residency(tmp_path, ctx):
         assert removed > 0, "the workload must exercise eviction"
         assert set(state) == resident
         assert all(len(tokens) == 8 for _, tokens in state.values())
-        roots = [h for h, (parent, _) in state.items() if parent is None]
-        assert roots and all(parent is None or parent in state or parent not in resident
-                             for parent, _ in state.values())
+        links = chain_links(seqs, 8, engine.kv.hash_seed)
+        assert state == {h: links[h] for h in state}, "each block names its true parent and holds its tokens"
+        assert any(parent is None for parent, _ in state.values())
         _, snapshot = request_snapshot(ctx, config["replay_endpoint"])
         replayed: dict[int, tuple[int | None, list[int]]] = {}
         apply(replayed, snapshot)

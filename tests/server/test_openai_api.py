@@ -148,11 +148,12 @@ def test_stop_strings_never_leak(client):
                                     stop=[stop], extra_body={"ignore_eos": True}).choices[0]
     assert out.finish_reason == "stop" and stop not in out.text
     assert base.startswith(out.text)
-    assert getattr(out, "stop_reason", stop) == stop
-    streamed = "".join(ch.choices[0].text for ch in client.completions.create(
+    assert out.model_extra["stop_reason"] == stop, "the matched stop string is the choice's stop_reason"
+    chunks = [ch.choices[0] for ch in client.completions.create(
         model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0, stop=stop, stream=True,
-        extra_body={"ignore_eos": True}) if ch.choices)
-    assert streamed == out.text
+        extra_body={"ignore_eos": True}) if ch.choices]
+    assert "".join(c.text for c in chunks) == out.text
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].model_extra["stop_reason"] == stop
 
 
 def test_usage_counts_equal_the_tokens(client, http):

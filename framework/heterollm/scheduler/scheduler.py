@@ -167,11 +167,14 @@ class Scheduler:
             self._take(step, request, num_new, cached)
 
     def _schedule_running(self, step: _Step) -> None:
-        """Running requests: decodes first, then those still prefilling in chunks; under priority and
-        deadline by rank first, so a better request is scheduled (and can take blocks from worse ones)
-        before them. A request that cannot get blocks preempts a worse one, or yields itself."""
-        order = sorted(self.running, key=lambda r: (not r.is_decoding,) if self.policy.fcfs else
-                       (self.policy.rank(r), not r.is_decoding))
+        """Running requests: decodes first, then those still prefilling in chunks (without mixed
+        batches prefills first, as waiting ones go first: else a chunked prefill would wait for every
+        decode to end); under priority and deadline by rank first, so a better request is scheduled
+        (and can take blocks from worse ones) before them. A request that cannot get blocks preempts
+        a worse one, or yields itself."""
+        prefill_first = not self.config.enable_mix_batch
+        order = sorted(self.running, key=lambda r: (r.is_decoding == prefill_first,) if self.policy.fcfs else
+                       (self.policy.rank(r), r.is_decoding == prefill_first))
         for request in order:
             if request.request_id in step.scheduled or request.status is not RequestStatus.RUNNING:
                 continue
