@@ -76,3 +76,108 @@ def test_rotary_tables_are_built_on_the_model_device(name):
     assert rope.cos.shape == rope.sin.shape == (64, 8)
     host = RotaryEmbedding(rope_config(name), head_dim=16, max_positions=64)
     assert host.cos.device.type == "cpu" and host.cos.dtype == torch.float32
+
+
+# -- a vendor device module, faked -----------------------------------------------------------------
+class FakeDeviceModule:
+    """What `torch.npu` / `torch.mlu` offer a platform: two devices, the second one current."""
+
+    def __init__(self, bf16: bool | None = None) -> None:
+        self.asked: list[int] = []
+        self.current = 1
+        if bf16 is not None:
+            self.is_bf16_supported = lambda: bf16
+
+    def is_available(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return 2
+
+    def current_device(self) -> int:
+        return self.current
+
+    def set_device(self, index: int) -> None:
+        self.current = index
+
+    def mem_get_info(self, index: int) -> tuple[int, int]:
+        self.asked.append(index)
+        return (100 + index, 1000 + index)
+
+
+def fake_platform(base: type, module: FakeDeviceModule):
+    """`base` (an ExtensionPlatform) probing `module` instead of importing its vendor library."""
+    return type(f"Fake{base.__name__}", (base,), {"_probe": lambda self: (module, "")})()
+
+
+def extension_platforms():
+    from heterollm_mlu.platform import MluPlatform
+    from heterollm_npu.platform import NpuPlatform
+    return [NpuPlatform, MluPlatform]
+
+
+# -- defect 3: each rank asks about its own device -------------------------------------------------
+def test_every_platform_asks_the_current_device_by_default():
+    import inspect
+
+    from heterollm_backend_template.platform import TemplatePlatform
+    from heterollm_cpu.platform import CpuPlatform
+    from heterollm_cuda.platform import CudaPlatform
+
+    from heterollm.interfaces import Platform
+    from heterollm.model_executor.device_backend import ExtensionPlatform
+    for cls in (Platform, CpuPlatform, CudaPlatform, ExtensionPlatform, TemplatePlatform, *extension_platforms()):
+        assert inspect.signature(cls.memory_info).parameters["device"].default is None, cls.__name__
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_extension_platform_memory_is_the_bound_device(index):
+    for base in extension_platforms():
+        module = FakeDeviceModule()
+        platform = fake_platform(base, module)
+        platform.set_device(index)  # the rank's local index
+        assert platform.memory_info() == (100 + index, 1000 + index)
+        assert platform.memory_info(0) == (100, 1000)
+        assert module.asked == [index, 0]
+
+
+def test_cuda_platform_memory_is_the_current_device(monkeypatch):
+    from heterollm_cuda.platform import CudaPlatform
+    asked = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (asked.append(i), (7, 9))[1])
+    assert CudaPlatform().memory_info() == (7, 9)
+    assert asked == [1]
+
+
+# -- defect 5: bf16 only where the vendor library says so ------------------------------------------
+@pytest.mark.parametrize("bf16,expected", [(True, True), (False, False), (None, False)],
+                         ids=["has-bf16", "mlu370-no-bf16", "library-cannot-say"])
+def test_extension_platform_asks_the_vendor_library_for_bf16(bf16, expected):
+    for base in extension_platforms():
+        platform = fake_platform(base, FakeDeviceModule(bf16))
+        assert platform.supports_dtype("bfloat16") is expected, base.__name__
+        assert platform.supports_dtype("float16") and platform.supports_dtype("float32")
+
+
+def test_dtype_auto_avoids_bf16_where_the_device_lacks_it():
+    from types import SimpleNamespace
+
+    from heterollm.model_executor.runner import resolve_dtype
+    from heterollm_mlu.platform import MluPlatform
+    bf16_checkpoint = SimpleNamespace(dtype=torch.bfloat16)
+    assert resolve_dtype("auto", bf16_checkpoint, fake_platform(MluPlatform, FakeDeviceModule(False)),
+                         False) != torch.bfloat16
+    assert resolve_dtype("auto", bf16_checkpoint, fake_platform(MluPlatform, FakeDeviceModule(True)),
+                         False) == torch.bfloat16
+
+
+def test_explicit_bf16_is_refused_at_launch_where_the_device_lacks_it(monkeypatch):
+    from heterollm.config import load_config
+    from heterollm.model_executor import device_backend
+    from heterollm_mlu.platform import MluPlatform
+    monkeypatch.setattr(device_backend, "unbuilt_owned_flags", lambda *a: [])  # only the dtype rule here
+    config = load_config([], overrides={"model": "x", "dtype": "bfloat16"}).config
+    problems = fake_platform(MluPlatform, FakeDeviceModule(False)).validate(config)
+    assert any("--dtype=bfloat16" in p for p in problems)
+    assert not fake_platform(MluPlatform, FakeDeviceModule(True)).validate(config)

@@ -54,7 +54,8 @@ class CpuPlatform(Platform):
     def device_count(self) -> int:
         return 1
 
-    def memory_info(self, device: int = 0) -> tuple[int, int]:
+    def memory_info(self, device: int | None = None) -> tuple[int, int]:
+        """System memory (one CPU device: `device` is ignored)."""
         info = _meminfo()
         if "MemTotal" in info:
             return info.get("MemAvailable", info.get("MemFree", 0)), info["MemTotal"]
@@ -62,7 +63,7 @@ class CpuPlatform(Platform):
         free = os.sysconf("SC_AVPHYS_PAGES") * size
         return free, pages * size
 
-    def set_device(self, rank: int) -> None:
+    def set_device(self, local_rank: int) -> None:
         """One CPU device; ranks share it."""
 
     def synchronize(self) -> None:

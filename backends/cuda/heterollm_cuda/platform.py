@@ -27,12 +27,12 @@ class CudaPlatform(Platform):
     def device_count(self) -> int:
         return torch.cuda.device_count() if self.is_available() else 0
 
-    def memory_info(self, device: int = 0) -> tuple[int, int]:
+    def memory_info(self, device: int | None = None) -> tuple[int, int]:
         free, total = torch.cuda.mem_get_info(torch.cuda.current_device() if device is None else device)
         return int(free), int(total)
 
-    def set_device(self, rank: int) -> None:
-        torch.cuda.set_device(rank % max(1, torch.cuda.device_count()))
+    def set_device(self, local_rank: int) -> None:
+        torch.cuda.set_device(local_rank % max(1, torch.cuda.device_count()))
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()

@@ -39,12 +39,15 @@ class Platform(ABC):
         """Number of devices of this kind visible to the process."""
 
     @abstractmethod
-    def memory_info(self, device: int = 0) -> tuple[int, int]:
-        """(free, total) bytes of memory on `device`; on CPU, of system memory."""
+    def memory_info(self, device: int | None = None) -> tuple[int, int]:
+        """(free, total) bytes of memory on device index `device`; None (the default): the calling
+        process's current device, the one `set_device` bound, so each tensor-parallel rank sizes its
+        KV cache from its own device. On CPU, of system memory."""
 
     @abstractmethod
-    def set_device(self, rank: int) -> None:
-        """Bind the calling process to the device for `rank`."""
+    def set_device(self, local_rank: int) -> None:
+        """Bind the calling process to its device: `local_rank` is the process's index among the
+        ranks on this node (LOCAL_RANK under torchrun), not its global rank."""
 
     @abstractmethod
     def synchronize(self) -> None:
@@ -52,7 +55,8 @@ class Platform(ABC):
 
     @abstractmethod
     def seed(self, seed: int) -> None:
-        """Seed the device's random generators."""
+        """Seed the host's and the device's random generators (called in every process that samples:
+        the engine's and each tensor-parallel rank's, with the same --random_seed)."""
 
     def supports_dtype(self, dtype: str) -> bool:
         """Whether `dtype` ("float32", "bfloat16", "float16") runs natively here; `--dtype auto`

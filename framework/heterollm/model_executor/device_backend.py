@@ -51,7 +51,11 @@ def unbuilt_owned_flags(config: Any, platform: str, built: frozenset[str] = froz
 class ExtensionPlatform(Platform):
     """A Platform whose device module (`torch.npu`, `torch.mlu`) comes from a torch extension
     package. Subclasses set the Platform names plus `extension` (the package) and `built` (the
-    platform-owned flags they implement)."""
+    platform-owned flags they implement).
+
+    bfloat16 is what the device module's `is_bf16_supported()` says (Cambricon's MLU370, for one,
+    has none); a module that cannot say is taken not to have it, so `--dtype auto` avoids it and an
+    explicit `--dtype bfloat16` is refused at launch rather than failing in a kernel."""
 
     extension: ClassVar[str]
     built: ClassVar[frozenset[str]] = GRAPH_FLAGS
@@ -69,13 +73,14 @@ class ExtensionPlatform(Platform):
         mod, _ = self._probe()
         return mod.device_count() if mod is not None else 0
 
-    def memory_info(self, device: int = 0) -> tuple[int, int]:
-        free, total = self._probe()[0].mem_get_info(device)
+    def memory_info(self, device: int | None = None) -> tuple[int, int]:
+        mod = self._probe()[0]
+        free, total = mod.mem_get_info(mod.current_device() if device is None else device)
         return int(free), int(total)
 
-    def set_device(self, rank: int) -> None:
+    def set_device(self, local_rank: int) -> None:
         mod, _ = self._probe()
-        mod.set_device(rank % max(1, mod.device_count()))
+        mod.set_device(local_rank % max(1, mod.device_count()))
 
     def synchronize(self) -> None:
         self._probe()[0].synchronize()
@@ -86,5 +91,16 @@ class ExtensionPlatform(Platform):
         torch.manual_seed(seed)
         self._probe()[0].manual_seed_all(seed)
 
+    def supports_dtype(self, dtype: str) -> bool:
+        if dtype != "bfloat16":
+            return True
+        mod, _ = self._probe()
+        ask = getattr(mod, "is_bf16_supported", None)
+        return bool(ask()) if callable(ask) else False
+
     def validate(self, config: Any) -> list[str]:
-        return unbuilt_owned_flags(config, self.name, self.built)
+        problems = unbuilt_owned_flags(config, self.name, self.built)
+        if config.device.dtype == "bfloat16" and self.is_available() and not self.supports_dtype("bfloat16"):
+            problems.append(f"--dtype=bfloat16: this {self.name.upper()} device has no bfloat16 "
+                            f"(torch.{self.device_type}.is_bf16_supported() is not true); use float16")
+        return problems

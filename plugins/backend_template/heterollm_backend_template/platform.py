@@ -29,20 +29,26 @@ class TemplatePlatform(Platform):
     def device_count(self) -> int:
         return 1
 
-    def memory_info(self, device: int = 0) -> tuple[int, int]:
+    def memory_info(self, device: int | None = None) -> tuple[int, int]:
+        """(free, total) bytes of host memory (one host device: `device` is ignored). A real backend
+        asks its vendor library about `device`, or about the current device when None, never a
+        fixed index: each tensor-parallel rank has its own device."""
         page = os.sysconf("SC_PAGE_SIZE")
         return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
 
-    def set_device(self, rank: int) -> None:
-        """One host device; ranks share it."""
+    def set_device(self, local_rank: int) -> None:
+        """One host device; ranks share it. A real backend binds `local_rank % device_count()`."""
 
     def synchronize(self) -> None:
         """Host ops are synchronous."""
 
     def seed(self, seed: int) -> None:
+        """Host generators; a real backend seeds its device's too (`torch.<device>.manual_seed_all`)."""
         torch.manual_seed(seed)
 
     def supports_dtype(self, dtype: str) -> bool:
+        """float32 only. A real backend asks its vendor library (e.g. `is_bf16_supported()`) rather
+        than assuming: some chips of a family lack bf16."""
         return dtype == "float32"
 
     def validate(self, config) -> list[str]:
