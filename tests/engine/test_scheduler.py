@@ -130,3 +130,17 @@ def test_block_pool_reuses_recently_freed_blocks():
     assert kv.num_free_blocks == 1000
     assert len(used) <= 8
     assert sorted(kv.allocate("x", 16 * 5)) == [0, 1, 2, 3, 4]
+
+
+def test_fcfs_preempts_the_most_recently_admitted():
+    # 6 blocks of 4: a (8 tokens) fills 2, b and c (5 tokens each) 2 each. a's first decode needs a
+    # third block with none free; b and c are both unscheduled: the newest, c, yields (README:
+    # "the most recently admitted running request is preempted"), b keeps running.
+    s = make(num_blocks=6, block_size=4, max_tokens_per_batch=64)
+    for rid, n in (("a", 8), ("b", 5), ("c", 5)):
+        s.add(req(rid, n))
+    assert run_step(s) == {"a": 8, "b": 5, "c": 5}
+    a, b, c = (s.requests[r] for r in "abc")
+    assert run_step(s) == {"a": 1, "b": 1}
+    assert (a.num_preemptions, b.num_preemptions, c.num_preemptions) == (0, 0, 1)
+    assert list(s.waiting) == [c] and c.num_computed_tokens == 0
