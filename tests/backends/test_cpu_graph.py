@@ -2,11 +2,16 @@
 give the eager engine's tokens and logprobs."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 from heterollm import LLM, SamplingParams
 from heterollm.config import load_config
+from heterollm.interfaces import AttentionInputs, ForwardContext, StepInputs
+from heterollm.model_executor.paged_attention import TorchPagedAttention
+from heterollm_cpu.attention import CpuPagedAttention
 from heterollm_cpu.graph_runner import CpuGraphRunner
 from helpers import build_tiny_model, hf_greedy
 
@@ -33,7 +38,7 @@ def test_compiled_decode_steps_give_the_eager_tokens_and_logprobs(folder):
     against eager and against transformers."""
     eager_tokens, eager_lps, eager_replays = _run(folder, PROMPTS)
     tokens, lps, replays = _run(folder, PROMPTS, enable_graph=True)
-    assert eager_replays == 0 and replays >= 11  # every decode step after the prefills, plus the warm-up
+    assert eager_replays == 0 and replays >= 11  # every decode step after the prefills, plus the start-up ones
     assert tokens == eager_tokens == hf_greedy(folder, PROMPTS, 12)
     assert lps == pytest.approx(eager_lps, abs=1e-4)
     single, _, _ = _run(folder, PROMPTS[1:2], enable_graph=True)
@@ -41,21 +46,45 @@ def test_compiled_decode_steps_give_the_eager_tokens_and_logprobs(folder):
 
 
 def test_max_tokens_for_graph_mode_caps_the_compiled_batch(folder):
-    """Decode batches of 3 over the cap of 2 run eagerly (same tokens); only the warm-up steps replay."""
+    """Decode batches of 3 over the cap of 2 run eagerly (same tokens); only the start-up steps replay."""
     eager_tokens, _, _ = _run(folder, PROMPTS)
     tokens, _, replays = _run(folder, PROMPTS, enable_graph=True, max_tokens_for_graph_mode=2)
     assert tokens == eager_tokens
-    assert replays == 2  # the two warm-up steps (batches of 1 and 2); every live decode batch held 3
+    assert replays == 2  # the two start-up steps (batches of 2 and 1); every live decode batch held 3
 
 
-def test_the_runner_is_eager_without_enable_graph_and_for_foreign_metadata():
+def decode_inputs(backend):
+    """Decode steps of n sequences over a one-layer cache, as the model runner's start-up builds."""
+    cache = [torch.zeros(backend.kv_cache_shape(4, 4, 1, 8))]
+
+    def make(n: int) -> StepInputs:
+        meta = backend.build_metadata(AttentionInputs([1] * n, [1] * n, [[0]] * n, 4), torch.device("cpu"))
+        return StepInputs(torch.arange(n), torch.ones(n, dtype=torch.long), ForwardContext(backend, meta, cache))
+    return make
+
+
+def test_the_runner_is_eager_without_enable_graph_and_for_metadata_without_dynamic_dims():
     runner = CpuGraphRunner()
-    runner.capture(lambda **kw: None, [])
+    forward = lambda inputs: inputs.input_ids * 0  # noqa: E731
+    runner.capture(forward, [], decode_inputs(CpuPagedAttention()))
     assert runner.compiled is None and not runner.can_replay(1, True)
-    runner.capture(lambda input_ids, positions: input_ids + positions, [1, 2, 4])
-    ids, pos = torch.arange(3), torch.arange(3)
-    assert runner.run(lambda input_ids, positions: input_ids * 0, input_ids=ids, positions=pos).tolist() == [0, 0, 0]
-    assert runner.num_replays == 0  # no attention metadata naming its dynamic dimensions: eager
+    make = decode_inputs(TorchPagedAttention())  # its metadata names no dynamic dimensions
+    runner.capture(forward, [1, 2, 4], make)
+    assert runner.compiled is None and runner.run(forward, make(3)).tolist() == [0, 0, 0]
+    assert runner.num_replays == 0
+
+
+def test_a_compiled_step_that_fails_mid_serving_falls_back_to_eager(caplog):
+    def broken(inputs):
+        raise RuntimeError("inductor could not compile this shape")
+
+    runner = CpuGraphRunner()
+    runner.compiled, runner.max_batch = broken, 4
+    make = decode_inputs(CpuPagedAttention())
+    with caplog.at_level(logging.WARNING, logger="heterollm.cpu.graph"):
+        assert runner.run(lambda inputs: inputs.input_ids + 1, make(2)).tolist() == [1, 2]
+    assert "compiled decode step failed (RuntimeError: inductor could not compile this shape)" in caplog.text
+    assert runner.compiled is None and not runner.can_replay(1, True) and runner.num_replays == 0
 
 
 def test_cpu_accepts_graph_flags_but_not_the_device_only_padding_switch():

@@ -4,7 +4,7 @@ graph-capturable paged attention, the device-graph bookkeeping with ops that re-
 function, batch-size buckets, platform-owned flags). Checks that need a GPU skip without one."""
 from __future__ import annotations
 
-import dataclasses
+import logging
 
 import pytest
 import torch
@@ -12,12 +12,12 @@ import torch
 from helpers import build_tiny_model
 from heterollm import LLM, SamplingParams
 from heterollm.config import load_config
+from heterollm.interfaces import AttentionInputs, ForwardContext, StepInputs
 from heterollm.model_executor.graph_capture import DeviceGraphRunner
-from heterollm.model_executor.layers import ForwardContext
 from heterollm.model_executor.paged_attention import TorchPagedAttention
 from heterollm.model_executor.runner import graph_batch_sizes
 from heterollm.testing.conformance import check_paged_attention
-from heterollm.testing.graphs import RerunGraphOps
+from heterollm.testing.graphs import CaptureFailed, RerunGraphOps
 
 CUDA = torch.cuda.is_available()
 
@@ -69,8 +69,15 @@ def test_batch_size_buckets():
 class Runner(DeviceGraphRunner):
     platforms = ("cpu",)
 
-    def make_ops(self):
-        return RerunGraphOps()
+    def __init__(self, fail_at: int | None = None) -> None:
+        super().__init__(RerunGraphOps(fail_at))
+
+
+class FlatTorchAttention(TorchPagedAttention):
+    """The same kernels on a layout without a scratch block (as a vendor's may be)."""
+
+    def scratch_block(self, kv_cache):
+        return None
 
 
 @pytest.fixture(scope="module")
@@ -81,19 +88,33 @@ def model(tmp_path_factory):
     llm.shutdown()
 
 
-def steps(model, runner, lengths, decodes, bs=4):
-    """Prefill sequences of `lengths`, then `decodes` decode steps; returns every step's output and
-    the caches (one extra scratch block last)."""
-    backend = TorchPagedAttention()
+def forward_of(model):
+    return lambda inputs: model(inputs.input_ids, inputs.positions, inputs.ctx)
+
+
+def decode_inputs(backend, caches, bs: int, width: int):
+    """The model runner's start-up decode step: n sequences at position 1 of block 0."""
+    def make(n: int) -> StepInputs:
+        meta = backend.build_metadata(AttentionInputs([1] * n, [1] * n, [[0] * width] * n, bs), torch.device("cpu"))
+        return StepInputs(torch.zeros(n, dtype=torch.long), torch.ones(n, dtype=torch.long),
+                          ForwardContext(backend, meta, caches))
+    return make
+
+
+def steps(model, runner, lengths, decodes, bs=4, sizes=(), backend=None):
+    """Capture `sizes` at start-up, prefill sequences of `lengths`, then run `decodes` decode steps;
+    returns every step's output and the caches (the backend's scratch block last)."""
+    backend = backend or TorchPagedAttention()
     layers, kv, d = model.kv_geometry
     per_seq = 40 // bs
     caches = [torch.full(backend.kv_cache_shape(per_seq * len(lengths), bs, kv, d), float("nan"))
               for _ in range(layers)]
+    with torch.inference_mode():
+        runner.capture(forward_of(model), sizes, decode_inputs(backend, caches, bs, per_seq))
     tables = [list(range(per_seq * i, per_seq * (i + 1))) for i in range(len(lengths))]
     ctx_lens = [0] * len(lengths)
     outs = []
     gen = torch.Generator().manual_seed(0)
-    from heterollm.interfaces import AttentionInputs
     for step in range(decodes + 1):
         q_lens = lengths if step == 0 else [1] * len(lengths)
         used = [-(-(c + q) // bs) for c, q in zip(ctx_lens, q_lens)]
@@ -102,37 +123,56 @@ def steps(model, runner, lengths, decodes, bs=4):
         ids = torch.randint(3, 500, (sum(q_lens),), generator=gen)
         pos = torch.cat([torch.arange(c, c + q) for c, q in zip(ctx_lens, q_lens)])
         with torch.inference_mode():
-            out = runner.run(lambda input_ids, positions, ctx: model(input_ids, positions, ctx), input_ids=ids,
-                             positions=pos, ctx=ForwardContext(backend, meta, caches))
+            out = runner.run(forward_of(model), StepInputs(ids, pos, ForwardContext(backend, meta, caches)))
         outs.append(out.clone())
         ctx_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
     return outs, caches
 
 
-@pytest.mark.parametrize("bs,captures", [(4, 1), (1, 2)])  # block size 1: tables outgrow the first width
-def test_replayed_decodes_equal_eager_and_padding_stays_in_the_scratch_block(model, bs, captures):
-    eager = Runner()
-    eager.capture(None, [])
-    graphed = Runner()
-    graphed.capture(None, [1, 2, 4, 8])
-    lengths = [5, 9, 2]  # a decode batch of 3 replays bucket 4 with one padded row
+@pytest.mark.parametrize("bs", [4, 1])
+def test_replayed_decodes_equal_eager_and_padding_stays_in_the_scratch_block(model, bs):
+    """Every bucket is captured once, at start-up, largest first; decodes (a batch of 3 replays
+    bucket 4 with one padded row) then only replay, at any context length up to the width."""
+    eager, graphed = Runner(), Runner()
+    lengths = [5, 9, 2]
     want, want_caches = steps(model, eager, lengths, decodes=12, bs=bs)
-    got, got_caches = steps(model, graphed, lengths, decodes=12, bs=bs)
-    assert graphed.num_replays == 12 and eager.num_replays == 0
-    assert graphed.ops.captures == captures
+    got, got_caches = steps(model, graphed, lengths, decodes=12, bs=bs, sizes=[1, 2, 4, 8])
+    assert list(graphed.graphs) == [8, 4, 2, 1] and graphed.ops.captures == 4  # none while serving
+    assert graphed.num_replays == 12 and eager.num_replays == 0 and eager.ops.captures == 0
     for a, b in zip(want, got):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
     real = 3 * (40 // bs)
     for a, b in zip(want_caches, got_caches):  # real blocks identical (NaN where never written)
-        torch.testing.assert_close(b[:, :real], a[:, :real], equal_nan=True)
-        assert not torch.isnan(b[:, real, 0]).all()  # the padded row wrote into the scratch block
+        torch.testing.assert_close(b[:, :, :real], a[:, :, :real], equal_nan=True)
+        assert not torch.isnan(b[:, :, real, 0]).any()  # the padded row wrote into the zeroed scratch block
 
 
-def test_prefill_steps_and_oversized_batches_run_eagerly():
+def test_without_a_scratch_block_only_full_buckets_replay(model):
     runner = Runner()
-    runner.capture(None, [1, 2, 4])
+    want, _ = steps(model, Runner(), [5, 9, 2, 4], decodes=3, backend=FlatTorchAttention())
+    got, _ = steps(model, runner, [5, 9, 2, 4], decodes=3, sizes=[1, 2, 4], backend=FlatTorchAttention())
+    assert runner.num_replays == 3  # batches of 4 fill bucket 4
+    odd = Runner()
+    steps(model, odd, [5, 9, 2], decodes=3, sizes=[1, 2, 4], backend=FlatTorchAttention())
+    assert odd.num_replays == 0  # a batch of 3 would need a padded row: eager
+    for a, b in zip(want, got):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+def test_a_failed_capture_leaves_the_runner_eager(model):
+    runner = Runner(fail_at=2)
+    with pytest.raises(CaptureFailed):
+        steps(model, runner, [5, 9, 2], decodes=1, sizes=[1, 2, 4])
+    assert runner.graphs == {} and runner.static is None and not runner.can_replay(1, True)
+    steps(model, runner, [5, 9, 2], decodes=2)
+    assert runner.num_replays == 0
+
+
+def test_prefill_steps_and_oversized_batches_run_eagerly(model):
+    runner = Runner()
+    steps(model, runner, [3], decodes=0, sizes=[1, 2, 4])
     assert runner.can_replay(4, True) and not runner.can_replay(5, True) and not runner.can_replay(2, False)
-    assert dataclasses.is_dataclass(ForwardContext)
+    assert runner.num_replays == 0
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -158,53 +198,65 @@ def test_cuda_refuses_the_cuda_flags_it_does_not_build_and_accepts_graphs():
         "--enable_custom_all_reduce=True: owned by the cuda platform but not implemented by heterollm-cuda yet"]
 
 
-GRAPH_FAMILY = '''
-from heterollm.model_executor.graph_capture import DeviceGraphRunner
-from heterollm.model_executor.paged_attention import TorchPagedAttention
-from heterollm.testing.graphs import RerunGraphOps
+def device_path_llm(folder, monkeypatch, runner: Runner) -> LLM:
+    """An engine whose model runner uses the device backends' attention and graph runner (with
+    re-running graph ops), swapped in before the cache is allocated and the graphs captured, as
+    the executor's start-up does."""
+    import heterollm.model_executor.runner as model_runner
+
+    llm = LLM(str(folder), dtype="float32", block_size=4, num_gpu_blocks_override=64)
+    mr = llm.engine.executor.runner
+    mr.attn_backend, mr.graph_runner = TorchPagedAttention(), runner
+    monkeypatch.setattr(model_runner, "graph_batch_sizes", lambda config: [1, 2, 4, 8])
+    mr.initialize_cache(64)
+    return llm
 
 
-class Attention(TorchPagedAttention):
-    platforms = ("cpu",)
+def generate(llm):
+    p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    outs = llm.generate([[5, 6, 7], list(range(100, 130)), [9] * 4], p)  # decode batches of 3: bucket 4, padded
+    return [o.outputs[0].token_ids for o in outs], [lp.logprob for o in outs for lp in o.outputs[0].logprobs]
 
 
-class Runner(DeviceGraphRunner):
-    platforms = ("cpu",)
-
-    def make_ops(self):
-        return RerunGraphOps()
-
-    def capture(self, forward, batch_sizes):  # capture these sizes without --enable_graph
-        super().capture(forward, batch_sizes or [1, 2, 4, 8])
-'''
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("device-path") / "llama", "llama")
 
 
-def test_device_path_through_the_engine_gives_the_reference_tokens(tmp_path, fake_dists):
-    """The device backends' attention and graph runner, registered as a family for the CPU, run by
-    the real engine and model runner: the same greedy tokens as the CPU reference, decode steps
-    replayed from (re-run) graphs with padded buckets."""
-    from heterollm.plugins import get_registry
-
-    fake_dists("fakeplug-graphs", "1.0", {"heterollm.attention": {"graphs": "fakeplug_graphs.family:Attention"},
-                                          "heterollm.graph_runners": {"graphs": "fakeplug_graphs.family:Runner"}},
-               {"fakeplug_graphs/__init__.py": '__heterollm_api__ = ">=1.0,<2"\n',
-                "fakeplug_graphs/family.py": GRAPH_FAMILY})
-    get_registry(refresh=True)
+@pytest.fixture(scope="module")
+def reference(llama):
+    llm = LLM(str(llama), dtype="float32", block_size=4, num_gpu_blocks_override=64)
     try:
-        folder = build_tiny_model(tmp_path / "llama", "llama")
-        p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
-        prompts = [[5, 6, 7], list(range(100, 130)), [9] * 4]  # decode batches of 3: bucket 4, one padded row
-        runs = {}
-        for impl in ("", "graphs"):
-            llm = LLM(str(folder), dtype="float32", block_size=4, num_gpu_blocks_override=64, extension_impl=impl)
-            outs = llm.generate(prompts, p)
-            runs[impl] = ([o.outputs[0].token_ids for o in outs],
-                          [lp.logprob for o in outs for lp in o.outputs[0].logprobs])
-            if impl:
-                assert llm.engine.executor.runner.graph_runner.num_replays >= 10
-            llm.shutdown()
-        assert runs["graphs"][0] == runs[""][0]
-        assert runs["graphs"][1] == pytest.approx(runs[""][1], abs=1e-4)
-    finally:  # rediscovered lazily by the next user, once the fake distribution is gone
-        import heterollm.plugins.registry as registry
-        registry._REGISTRY = None
+        return generate(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_device_path_captures_at_start_up_and_gives_the_reference_tokens(llama, reference, monkeypatch):
+    """The device backends' attention and graph runner, run by the real engine and model runner:
+    every bucket captured at start-up, largest first, none while serving; the reference's greedy
+    tokens and logprobs from replayed, padded decode steps."""
+    runner = Runner()
+    llm = device_path_llm(llama, monkeypatch, runner)
+    try:
+        assert list(runner.graphs) == [8, 4, 2, 1] and runner.ops.captures == 4
+        tokens, logprobs = generate(llm)
+    finally:
+        llm.shutdown()
+    assert runner.ops.captures == 4 and runner.num_replays >= 10
+    assert tokens == reference[0]
+    assert logprobs == pytest.approx(reference[1], abs=1e-4)
+
+
+def test_a_failed_capture_at_start_up_serves_eagerly_with_a_warning(llama, reference, monkeypatch, caplog):
+    runner = Runner(fail_at=2)
+    with caplog.at_level(logging.WARNING, logger="heterollm.runner"):
+        llm = device_path_llm(llama, monkeypatch, runner)
+    try:
+        assert "decode graph capture failed, running every step eagerly: CaptureFailed" in caplog.text
+        assert runner.sizes == [] and runner.graphs == {}
+        tokens, logprobs = generate(llm)
+    finally:
+        llm.shutdown()
+    assert runner.num_replays == 0 and tokens == reference[0]
+    assert logprobs == pytest.approx(reference[1], abs=1e-4)

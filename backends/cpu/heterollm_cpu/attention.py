@@ -65,11 +65,6 @@ class CpuAttentionMetadata(AttentionMetadata):
     """(start, end, block ids covering positions 0..seq_len, causal mask (q, seq_len)); both None
     when the chunk has no cached context and attends to its own K/V."""
 
-    @property
-    def decode_only(self) -> bool:
-        """Every sequence decodes one token (what the graph runner compiles)."""
-        return self.decode_rows is not None and not self.prefills
-
     def dynamic_dims(self) -> list[tuple[torch.Tensor, int]]:
         """The dimensions that change from one decode-only step to the next (batch, context blocks):
         the CPU graph runner compiles them as symbols, everything else as constants."""
@@ -103,7 +98,8 @@ class CpuPagedAttention(AttentionBackend):
             num_tokens=int(q_lens.sum()), slot_mapping=slots.to(device),
             query_start_loc=torch.cat([starts, q_lens.sum().view(1)]).to(device),
             seq_lens=seq_lens.to(device), block_tables=tables.to(device),
-            query_lens=list(inputs.query_lens), context_lens=list(inputs.context_lens))
+            query_lens=list(inputs.query_lens), context_lens=list(inputs.context_lens), block_size=bs,
+            num_prefill_tokens=inputs.num_prefill_tokens, num_decode_tokens=inputs.num_decode_tokens)
         blocks = slots // bs
         filled = torch.bincount(blocks, minlength=0)[blocks]  # new tokens landing in the same block
         meta.fresh_blocks = blocks[(pos % bs == 0) & (filled < bs)].to(device)

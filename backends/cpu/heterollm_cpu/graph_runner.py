@@ -6,20 +6,22 @@ size `graph_batch_sizes` asks for: the batch and context dimensions the attentio
 and 1, except that a batch of one gets its own graph (dynamo specializes a reshape in the attention
 on it). Prefill and mixed steps stay eager.
 
-Compiling costs about two minutes on 2 cores the first time (the model runner compiles at start-up,
+Compiling costs about two minutes on 2 cores the first time (`capture` compiles at start-up,
 before the engine takes requests); inductor caches the result on disk (TORCHINDUCTOR_CACHE_DIR), so
 a restart only traces the model again (~15 s). The graph is specialized on torch's thread count:
 changing it afterwards compiles again (`heterollm serve` sets its threads before the warm-up).
 Measured in bench/RESULTS.md (2026-12-04)."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 import torch.fx.experimental._config as fx_config
 
-from heterollm.interfaces import GraphRunner
+from heterollm.interfaces import DecodeInputs, GraphRunner, StepForward, StepInputs
+
+logger = logging.getLogger("heterollm.cpu.graph")
 
 
 class CpuGraphRunner(GraphRunner):
@@ -33,30 +35,49 @@ class CpuGraphRunner(GraphRunner):
         return []
 
     def __init__(self) -> None:
-        self.compiled: Callable[..., Any] | None = None
+        self.compiled: Callable[[StepInputs], torch.Tensor] | None = None
         self.max_batch = 0
         self.num_replays = 0
 
-    def capture(self, forward: Callable[..., Any], batch_sizes: Sequence[int]) -> None:
-        """`batch_sizes` is empty without `--enable_graph`: then every step runs eagerly."""
-        self.max_batch = max(batch_sizes, default=0)
-        self.compiled = torch.compile(forward, dynamic=False) if batch_sizes else None
+    def capture(self, forward: StepForward, batch_sizes: Sequence[int], make_inputs: DecodeInputs) -> None:
+        """Compile `forward` and build both graphs (a batch of one, and any larger batch) by running
+        decode steps of 2 and 1 sequences. `batch_sizes` is empty without `--enable_graph`: then
+        every step runs eagerly; so does every step of an attention backend whose metadata names
+        no dynamic dimensions (compiled, it would recompile for every new shape)."""
+        self.compiled, self.max_batch = None, 0
+        if not batch_sizes or not make_inputs(1).ctx.metadata.dynamic_dims():
+            return
+        self.compiled, self.max_batch = torch.compile(forward, dynamic=False), max(batch_sizes)
+        try:
+            for n in sorted({min(2, self.max_batch), 1}, reverse=True):
+                self._run_compiled(make_inputs(n))
+        except BaseException:
+            self.compiled, self.max_batch = None, 0
+            raise
 
     def can_replay(self, num_tokens: int, is_decode_only: bool) -> bool:
         return self.compiled is not None and is_decode_only and num_tokens <= self.max_batch
 
-    def run(self, forward: Callable[..., Any], **inputs: Any) -> Any:
-        meta = getattr(inputs.get("ctx"), "metadata", None)
-        decode_only = getattr(meta, "decode_only", False) and hasattr(meta, "dynamic_dims")
-        if not self.can_replay(inputs["input_ids"].shape[0], decode_only):
-            return forward(**inputs)
+    def run(self, forward: StepForward, inputs: StepInputs) -> torch.Tensor:
+        """A decode-only step that fits runs compiled, every other step eagerly. Should compiling a
+        new shape fail mid-serving, the step and every later one run eagerly (with a warning)."""
+        if not self.can_replay(inputs.num_tokens, inputs.ctx.metadata.decode_only):
+            return forward(inputs)
+        try:
+            return self._run_compiled(inputs)
+        except Exception as exc:
+            logger.warning("compiled decode step failed (%s: %s); running eagerly from now on", type(exc).__name__, exc)
+            self.compiled, self.max_batch = None, 0
+            return forward(inputs)
+
+    def _run_compiled(self, inputs: StepInputs) -> torch.Tensor:
         # the caches' block count too: it follows free memory, and a graph specialized on it would miss
         # inductor's on-disk cache on the next start
-        caches = [(cache, 2) for cache in inputs["ctx"].kv_caches]
-        for tensor, dim in [(inputs["input_ids"], 0), (inputs["positions"], 0), *meta.dynamic_dims(), *caches]:
+        caches = [(cache, 2) for cache in inputs.ctx.kv_caches]
+        for tensor, dim in [(inputs.input_ids, 0), (inputs.positions, 0), *inputs.ctx.metadata.dynamic_dims(), *caches]:
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
         # no duck sizing or 0/1 specialization: one context block or no fresh block takes the same graph
         with fx_config.patch(backed_size_oblivious=True, use_duck_shape=False):
-            out = self.compiled(**inputs)
+            out = self.compiled(inputs)
         self.num_replays += 1
         return out

@@ -27,10 +27,25 @@ class AttentionInputs:
     """Block ids of each sequence, in order; covers context_lens + query_lens slots."""
     block_size: int
 
+    @property
+    def num_decode_tokens(self) -> int:
+        """Tokens of the decodes: sequences adding exactly one token after a cached context."""
+        return sum(1 for q, c in zip(self.query_lens, self.context_lens) if q == 1 and c > 0)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens of every other sequence (a prompt, or a prefill chunk over cached context)."""
+        return sum(self.query_lens) - self.num_decode_tokens
+
 
 @dataclass
 class AttentionMetadata:
-    """What `forward` needs for one step; built once per step, shared by every layer."""
+    """What `forward` needs for one step; built once per step, shared by every layer.
+
+    Graph runners read only the fields declared here. A backend's subclass may add what its own
+    kernels need (gather plans, host-side arguments); a field a graph runner must keep in static
+    buffers belongs here, not there.
+    """
 
     num_tokens: int
     slot_mapping: torch.Tensor
@@ -40,18 +55,45 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     """(num_seqs,) context length after this step (context_lens + query_lens)."""
     block_tables: torch.Tensor
-    """(num_seqs, max_blocks) block ids, padded with 0 past each sequence's blocks."""
+    """(num_seqs, max_blocks) block ids; each row padded past its sequence's blocks with block ids
+    of the backend's choice (attention never reads a padded column within seq_lens)."""
     query_lens: list[int]
     context_lens: list[int]
+    block_size: int
+    """Slots per cache block (slot = block_id * block_size + offset)."""
+    num_prefill_tokens: int
+    """Tokens of sequences that are not decodes (AttentionInputs.num_prefill_tokens)."""
+    num_decode_tokens: int
+    """Tokens of decodes, one per sequence (AttentionInputs.num_decode_tokens)."""
+
+    @property
+    def decode_only(self) -> bool:
+        """Every sequence adds one token after a cached context: the step a graph runner may replay.
+        A backend serves it without host synchronization (graph-capturable)."""
+        return self.num_prefill_tokens == 0 and self.num_decode_tokens > 0
+
+    def dynamic_dims(self) -> list[tuple[torch.Tensor, int]]:
+        """(tensor, dim) pairs of this metadata whose size changes from one decode-only step to the
+        next, beyond the batch dimension of the declared fields; a compiling graph runner (CPU's
+        torch.compile) treats them as symbols rather than specializing on them. Default: none."""
+        return []
 
 
 class AttentionBackend(Component):
     """Writes new K/V into cache slots and attends over each sequence's cached blocks, for a mixed
-    batch of prefill chunks and decodes in one call."""
+    batch of prefill chunks and decodes in one call. It owns the cache layout, including any
+    scratch block a graph runner pads batches onto."""
 
     @abstractmethod
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        """Shape of one layer's KV cache tensor (K and V together)."""
+        """Shape of one layer's KV cache tensor (K and V together) holding `num_blocks` blocks for
+        sequences, plus any scratch block of its own."""
+
+    def scratch_block(self, kv_cache: torch.Tensor) -> int | None:
+        """Id of a block outside `num_blocks` that no sequence owns: a graph runner writes a padded
+        row's K/V there and points its block table at it. None (the default): the layout has
+        none, and a graph runner replays only batches that fill a captured bucket exactly."""
+        return None
 
     @abstractmethod
     def build_metadata(self, inputs: AttentionInputs, device: torch.device) -> AttentionMetadata:

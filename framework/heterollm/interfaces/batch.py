@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from heterollm.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -10,7 +13,7 @@ class SamplingInfo:
     """What a worker needs to sample for a request: its parameters and its seed offset (child i of
     an n > 1 request samples with seed + i)."""
 
-    params: Any
+    params: SamplingParams
     seed_offset: int = 0
 
 
@@ -27,8 +30,8 @@ class ScheduledRequest:
     """The request's whole block table after this step's allocation."""
     sample: bool
     """Whether to sample a token after this step (False for a prefill chunk that is not the last)."""
-    sampling: Any = None
-    """The request's SamplingInfo (`.params`, `.seed_offset`)."""
+    sampling: SamplingInfo
+    """The request's sampling parameters and seed offset."""
     output_token_ids: list[int] = field(default_factory=list)
     """Tokens generated so far (for penalties)."""
     prompt_token_ids: list[int] = field(default_factory=list)

@@ -1,19 +1,22 @@
 """Device graphs for decode steps (`--enable_graph`): the bookkeeping every graph-capable backend
-shares. A backend subclasses `DeviceGraphRunner`, names its platforms and supplies `GraphOps` for
-its graph API (torch.cuda.CUDAGraph, torch.npu.NPUGraph, torch.mlu.MLUGraph).
+shares. A backend subclasses `DeviceGraphRunner` and supplies `GraphOps` for its graph API
+(torch.cuda.CUDAGraph, torch.npu.NPUGraph, torch.mlu.MLUGraph).
 
-The model runner hands over the decode batch sizes to capture (heterollm's `graph_batch_sizes`:
-`--max_tokens_for_graph_mode` and `--max_seqs_per_batch` bound them; `--enable_graph_mode_decode_no_padding`
-asks for every size, otherwise buckets 1, 2, 4, 8 then every 8). A bucket is captured the first time a decode batch
-needs it, on live shapes: its inputs and attention metadata live in static buffers that each
-replay fills (a batch of n in bucket b pads rows n..b-1 onto the cache's scratch block); the
-graphs share one memory pool. A batch with a prefill chunk, larger than the largest bucket, or
-with block tables wider than the captured width (recaptured wider next time) runs eagerly.
+At start-up the model runner hands over the decode batch sizes to capture (heterollm's
+`graph_batch_sizes`: `--max_tokens_for_graph_mode` and `--max_seqs_per_batch` bound them;
+`--enable_graph_mode_decode_no_padding` asks for every size, otherwise buckets 1, 2, 4, 8 then every
+8) and a maker of decode steps whose block tables are as wide as any step's. Every bucket is
+captured then, largest first, the graphs sharing one memory pool; nothing is captured while
+serving. Inputs and attention metadata live in static buffers that each replay fills (a batch of n
+in bucket b pads rows n..b-1 onto the attention backend's scratch block). A batch with a prefill
+chunk, or larger than the largest bucket, runs eagerly; so does a batch that would need padding
+when the backend's layout has no scratch block.
 
 Capture and replay go through `GraphOps`, so the bookkeeping (buckets, padding, static buffers)
-is tested on CPU with ops that simply re-run the captured function. The attention backend must
-keep a scratch block last in each cache and run decode-only steps without host synchronization
-(model_executor/paged_attention.py does both).
+is tested on CPU with ops that simply re-run the captured function (heterollm.testing.graphs).
+The attention backend's decode-only path must read only the metadata fields the static buffers
+hold (slot_mapping, seq_lens, block_tables, query_start_loc) and run without host synchronization
+(model_executor/paged_attention.py does).
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from typing import Any
 
 import torch
 
-from heterollm.interfaces import GraphRunner
+from heterollm.interfaces import DecodeInputs, GraphRunner, StepForward, StepInputs
 
 
 class GraphOps(ABC):
@@ -32,7 +35,8 @@ class GraphOps(ABC):
 
     @abstractmethod
     def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
-        """Warm `fn` up, capture it; returns (graph, the output tensor each replay rewrites)."""
+        """Warm `fn` up, capture it; returns (graph, the output tensor each replay rewrites).
+        Successive captures share one memory pool."""
 
     @abstractmethod
     def replay(self, graph: Any) -> None:
@@ -74,10 +78,15 @@ class _Static:
     slot_mapping: torch.Tensor
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
+    """(largest bucket, widest table) block ids."""
+    pad_block: int
+    """The scratch block padded rows and columns point at (0 where the layout has none, and then
+    only columns are padded)."""
+    can_pad_rows: bool
 
 
 class DeviceGraphRunner(GraphRunner):
-    """Not registered itself: a backend registers a subclass that sets `platforms` and `make_ops`."""
+    """Not registered itself: a backend registers a subclass that supplies `make_ops`."""
 
     platforms = ()
 
@@ -100,61 +109,78 @@ class DeviceGraphRunner(GraphRunner):
         """Block-table columns the static buffers (and so the captured graphs) hold; 0 before any."""
         return 0 if self.static is None else self.static.block_tables.shape[1]
 
-    def capture(self, forward: Callable[..., Any], batch_sizes: Sequence[int]) -> None:
-        self.sizes = sorted(set(batch_sizes))
+    def capture(self, forward: StepForward, batch_sizes: Sequence[int], make_inputs: DecodeInputs) -> None:
+        self.sizes, self.static = [], None
         self.graphs.clear()
-        self.static = None
+        sizes = sorted(set(batch_sizes))
+        if not sizes:
+            return
+        try:
+            for bucket in reversed(sizes):  # largest first: it sizes the buffers and the pool
+                example = make_inputs(bucket)
+                if self.static is None:
+                    self.static = self._allocate(example, bucket)
+                self._fill(example, bucket)
+                static_inputs = self._static_inputs(example, bucket)
+                self.graphs[bucket] = self.ops.capture(lambda inputs=static_inputs: forward(inputs))
+        except BaseException:
+            self.static = None
+            self.graphs.clear()
+            raise
+        self.sizes = sizes
 
     def can_replay(self, num_tokens: int, is_decode_only: bool) -> bool:
         return is_decode_only and bool(self.sizes) and num_tokens <= self.sizes[-1]
 
-    def run(self, forward: Callable[..., Any], **inputs: Any) -> Any:
-        ctx = inputs.get("ctx")  # a forward without attention (the conformance kit's) runs eagerly
-        meta = getattr(ctx, "metadata", None)
-        n = inputs["input_ids"].shape[0]
-        if not self.can_replay(n, getattr(meta, "decode_only", False)):
-            return forward(**inputs)
-        if meta.block_tables.shape[1] > self.width:  # wider tables than captured: recapture wider
-            self._allocate(inputs["input_ids"].device, max(meta.block_tables.shape[1], 2 * self.width, 16))
-        bucket = next(s for s in self.sizes if s >= n)
-        self._fill(inputs["input_ids"], inputs["positions"], meta, ctx.kv_caches[0], n, bucket)
-        if bucket not in self.graphs:
-            static_inputs = self._static_inputs(ctx, bucket)
-            self.graphs[bucket] = self.ops.capture(lambda: forward(**static_inputs))
+    def run(self, forward: StepForward, inputs: StepInputs) -> torch.Tensor:
+        n = inputs.num_tokens
+        bucket = self._bucket(n, inputs.ctx.metadata.decode_only, inputs.ctx.metadata.block_tables.shape[1])
+        if bucket is None:
+            return forward(inputs)
+        self._fill(inputs, bucket)
         graph, out = self.graphs[bucket]
         self.ops.replay(graph)
         self.num_replays += 1
         return out[:n]
 
-    def _allocate(self, device: torch.device, width: int) -> None:
-        size = self.sizes[-1]
-        long = dict(dtype=torch.long, device=device)
-        self.static = _Static(torch.zeros(size, **long), torch.zeros(size, **long), torch.zeros(size, **long),
-                              torch.ones(size, **long), torch.zeros(size, width, **long))
-        self.graphs.clear()  # captured graphs point at the old buffers
+    def _bucket(self, n: int, decode_only: bool, table_width: int) -> int | None:
+        """The captured bucket a step replays, or None to run it eagerly."""
+        if not self.can_replay(n, decode_only) or table_width > self.width:
+            return None
+        bucket = next(s for s in self.sizes if s >= n)
+        return bucket if bucket == n or self.static.can_pad_rows else None
 
-    def _fill(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, kv_cache: torch.Tensor, n: int,
-              bucket: int) -> None:
-        s = self.static
-        scratch = kv_cache.shape[1] - 1
-        s.input_ids[:n].copy_(input_ids)
-        s.positions[:n].copy_(positions)
+    @staticmethod
+    def _allocate(example: StepInputs, size: int) -> _Static:
+        ctx = example.ctx
+        scratch = ctx.backend.scratch_block(ctx.kv_caches[0])
+        width = ctx.metadata.block_tables.shape[1]
+        long = dict(dtype=torch.long, device=example.input_ids.device)
+        return _Static(torch.zeros(size, **long), torch.zeros(size, **long), torch.zeros(size, **long),
+                       torch.ones(size, **long), torch.zeros(size, width, **long),
+                       pad_block=0 if scratch is None else scratch, can_pad_rows=scratch is not None)
+
+    def _fill(self, inputs: StepInputs, bucket: int) -> None:
+        """Copy a step of n <= bucket decodes into the static buffers; rows n..bucket-1 become
+        one-token sequences writing and reading only the scratch block."""
+        s, meta, n = self.static, inputs.ctx.metadata, inputs.num_tokens
+        s.input_ids[:n].copy_(inputs.input_ids)
+        s.positions[:n].copy_(inputs.positions)
         s.slot_mapping[:n].copy_(meta.slot_mapping)
         s.seq_lens[:n].copy_(meta.seq_lens)
-        s.block_tables[:n].fill_(scratch)
+        s.block_tables[:n].fill_(s.pad_block)
         s.block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)
-        if bucket > n:  # padding rows: one token each, written to and read from the scratch block
+        if bucket > n:
             s.input_ids[n:bucket].zero_()
             s.positions[n:bucket].zero_()
-            s.slot_mapping[n:bucket].fill_(scratch * meta.block_size)
+            s.slot_mapping[n:bucket].fill_(s.pad_block * meta.block_size)
             s.seq_lens[n:bucket].fill_(1)
-            s.block_tables[n:bucket].fill_(scratch)
+            s.block_tables[n:bucket].fill_(s.pad_block)
 
-    def _static_inputs(self, ctx: Any, bucket: int) -> dict[str, Any]:
+    def _static_inputs(self, example: StepInputs, bucket: int) -> StepInputs:
+        """The example step with every per-step tensor replaced by its static buffer."""
         s = self.static
-        meta = dataclasses.replace(ctx.metadata, num_tokens=bucket, slot_mapping=s.slot_mapping[:bucket],
+        meta = dataclasses.replace(example.ctx.metadata, slot_mapping=s.slot_mapping[:bucket],
                                    seq_lens=s.seq_lens[:bucket], block_tables=s.block_tables[:bucket],
-                                   query_start_loc=torch.arange(bucket + 1, device=s.seq_lens.device),
-                                   query_lens=[1] * bucket, context_lens=[0] * bucket)
-        return {"input_ids": s.input_ids[:bucket], "positions": s.positions[:bucket],
-                "ctx": dataclasses.replace(ctx, metadata=meta)}
+                                   query_start_loc=torch.arange(bucket + 1, device=s.seq_lens.device))
+        return StepInputs(s.input_ids[:bucket], s.positions[:bucket], dataclasses.replace(example.ctx, metadata=meta))

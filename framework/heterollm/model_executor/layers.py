@@ -5,12 +5,12 @@ Each parameter carries a `weight_loader(param, full_tensor)` that takes the chec
 tensor and keeps this rank's shard."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from heterollm.interfaces.step import ForwardContext
 from heterollm.model_executor import ops
 from heterollm.model_executor.linear_method import LinearBase
 from heterollm.model_executor.parallel import ParallelContext
@@ -192,15 +192,6 @@ class RotaryEmbedding(nn.Module):
     def apply(rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """x: (tokens, heads, head_dim); q and k heads may come in one tensor."""
         return ops.get("rotary_embedding")(x, *rope)
-
-
-@dataclass
-class ForwardContext:
-    """Per-step state every attention layer reads: the backend, its metadata, the caches."""
-
-    backend: Any
-    metadata: Any
-    kv_caches: list[torch.Tensor]
 
 
 class Attention(nn.Module):

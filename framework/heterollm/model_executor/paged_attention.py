@@ -1,40 +1,87 @@
 """Paged attention in plain torch ops for device backends, written so a decode step can be captured
-in a device graph (CUDA graph, ACL graph, MLU graph). Backends subclass it and name their
-platforms; one with a fused paged-attention kernel overrides `decode` and `forward`.
+in a device graph (CUDA graph, ACL graph, MLU graph). Backends subclass it; one with a fused
+paged-attention kernel overrides `decode` and `prefill`.
 
-Cache layout per layer: (2, num_blocks + 1, block_size, num_kv_heads, head_dim), K then V. The
-extra last block is scratch: padded rows of a replayed graph write their K/V there and read only
-it, so no real sequence's slot is touched.
+Cache layout per layer: (2, num_kv_heads, num_blocks + 1, block_size, head_dim), K then V,
+head-major: gathering whole blocks along dim 2 yields every sequence's keys per KV head as one
+contiguous (KV, B, L, D) tensor, K and V in a single index_select. The extra last block is scratch:
+padded rows of a replayed graph write their K/V there and read only it, so no real sequence's slot
+is touched.
+
+No slot a query can read holds NaN, so masked keys need only a -inf score, never a zeroed copy of
+V: a block is zeroed before its first slot (offset 0) is written, and block tables are padded with
+a sequence's own blocks (the graph runner's padded rows use the scratch block, zeroed by their
+position-0 write). Uninitialized memory is therefore never read, whatever it holds.
 
 - Decode-only steps (every sequence adds one token) run batched with fixed shapes and no host
-  synchronization: each sequence's blocks are gathered through its (padded) block table, keys past
-  its length are masked, and values there are zeroed (an uninitialized slot may hold NaN, which
-  a zero weight does not cancel). This is the path the graph runner captures.
-- Steps with a prefill chunk attend per sequence with torch's scaled_dot_product_attention (flash
-  or memory-efficient kernels on CUDA) over its cached context plus its new tokens, with a causal
-  offset mask. A fused varlen kernel (flash-attention's paged varlen, torch_npu's fused attention)
-  is the next step for speed.
+  synchronization: one gather of each sequence's blocks through its (padded) block table, then
+  one scaled_dot_product_attention call with the query heads folded onto their KV head,
+  (KV, B, G, D) over (KV, B, L, D) keys, so GQA needs no repeated K/V. The graph runner captures
+  this path; it reads only slot_mapping, seq_lens and block_tables.
+- Steps with a prefill chunk gather the cached context of every prefill in one index_select and
+  attend per sequence with scaled_dot_product_attention on 4-D tensors with `enable_gqa` and a
+  lower-right causal bias (flash or memory-efficient kernels on CUDA, no materialized fp32 score
+  matrix); their decodes run through the batched decode path.
 The code is device-neutral torch, so its correctness is tested on CPU as well.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from heterollm.interfaces import AttentionBackend, AttentionInputs, AttentionMetadata
 
 
+class Prefill(NamedTuple):
+    """One non-decode sequence of a step: its query rows, and where its keys come from."""
+
+    start: int
+    end: int
+    """Token rows start..end of the step."""
+    kv_start: int | None
+    kv_end: int | None
+    """Its positions 0..seq_len in the step's `context_slots` gather; None when it has no cached
+    context and attends to its own new K/V."""
+
+
 @dataclass
 class PagedMetadata(AttentionMetadata):
-    block_size: int = 1
-    decode_only: bool = False
-    """Every sequence adds exactly one token: the batched, graph-capturable path."""
+    """Adds the host-built plan of a step with prefills (decode-only steps leave it empty, so a
+    graph runner's static buffers need not hold it)."""
+
+    decode_rows: torch.Tensor | None = None
+    """(num_decodes,) token rows of the decodes of a mixed step."""
+    decode_seqs: torch.Tensor | None = None
+    """(num_decodes,) their sequence indices (rows of block_tables and seq_lens)."""
+    prefills: list[Prefill] = field(default_factory=list)
+    context_slots: torch.Tensor | None = None
+    """Cache slots of positions 0..seq_len of every prefill with cached context, concatenated."""
+
+
+def _plan(inputs: AttentionInputs) -> tuple[list[int], list[int], list[Prefill], list[int]]:
+    """(decode token rows, decode sequence indices, prefills, context slots) of a step."""
+    bs = inputs.block_size
+    rows, seqs, prefills, slots = [], [], [], []
+    start = 0
+    for i, (q, ctx, table) in enumerate(zip(inputs.query_lens, inputs.context_lens, inputs.block_tables)):
+        if q == 1 and ctx > 0:
+            rows.append(start)
+            seqs.append(i)
+        elif ctx == 0:
+            prefills.append(Prefill(start, start + q, None, None))
+        else:
+            prefills.append(Prefill(start, start + q, len(slots), len(slots) + ctx + q))
+            slots += [table[p // bs] * bs + p % bs for p in range(ctx + q)]
+        start += q
+    return rows, seqs, prefills, slots
 
 
 class TorchPagedAttention(AttentionBackend):
-    """Not registered itself: a backend registers a subclass that sets `platforms`."""
+    """Not registered itself: a backend registers a subclass."""
 
     platforms = ()
 
@@ -43,11 +90,10 @@ class TorchPagedAttention(AttentionBackend):
         return []
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        return (2, num_blocks + 1, block_size, num_kv_heads, head_dim)
+        return (2, num_kv_heads, num_blocks + 1, block_size, head_dim)
 
-    @staticmethod
-    def scratch_block(kv_cache: torch.Tensor) -> int:
-        return kv_cache.shape[1] - 1
+    def scratch_block(self, kv_cache: torch.Tensor) -> int:
+        return kv_cache.shape[2] - 1
 
     def build_metadata(self, inputs: AttentionInputs, device: torch.device) -> PagedMetadata:
         bs = inputs.block_size
@@ -62,55 +108,73 @@ class TorchPagedAttention(AttentionBackend):
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
-        return PagedMetadata(
+        meta = PagedMetadata(
             num_tokens=starts[-1], slot_mapping=tensor(slots), query_start_loc=tensor(starts),
             seq_lens=tensor(seq_lens), block_tables=tensor(tables).view(len(tables), width),
             query_lens=list(inputs.query_lens), context_lens=list(inputs.context_lens), block_size=bs,
-            decode_only=all(q == 1 for q in inputs.query_lens))
+            num_prefill_tokens=inputs.num_prefill_tokens, num_decode_tokens=inputs.num_decode_tokens)
+        if not meta.decode_only:
+            rows, seqs, meta.prefills, context = _plan(inputs)
+            if rows:
+                meta.decode_rows, meta.decode_seqs = tensor(rows), tensor(seqs)
+            if context:
+                meta.context_slots = tensor(context)
+        return meta
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: PagedMetadata, scale: float) -> torch.Tensor:
-        flat = kv_cache.view(2, -1, *kv_cache.shape[3:])  # (2, slots, KV, D)
-        flat[0].index_copy_(0, metadata.slot_mapping, key)
-        flat[1].index_copy_(0, metadata.slot_mapping, value)
+        self.write(kv_cache, metadata.slot_mapping, key, value)
         if metadata.decode_only:
             return self.decode(query, kv_cache, metadata.block_tables, metadata.seq_lens, scale)
-        return self._per_sequence(query, flat, metadata, scale)
+        out = torch.empty_like(query)
+        if metadata.decode_rows is not None:
+            seqs = metadata.decode_seqs
+            out[metadata.decode_rows] = self.decode(query[metadata.decode_rows], kv_cache, metadata.block_tables[seqs],
+                                                    metadata.seq_lens[seqs], scale)
+        self.prefill(query, key, value, kv_cache, metadata, scale, out)
+        return out
+
+    def write(self, kv_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Zero each block a new token opens (offset 0), then store the new K/V (T, KV, D) in their
+        slots; no host synchronization. A token at another offset "zeroes" the scratch block,
+        which holds nothing that outlives a step."""
+        num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape[1:]
+        opened = torch.where(slots % block_size == 0, slots // block_size, num_blocks - 1)  # else: the scratch block
+        kv_cache.index_fill_(2, opened, 0)
+        flat = kv_cache.view(2, num_kv_heads, -1, head_dim)  # (2, KV, slots, D)
+        flat[0].index_copy_(1, slots, key.transpose(0, 1).to(kv_cache.dtype))
+        flat[1].index_copy_(1, slots, value.transpose(0, 1).to(kv_cache.dtype))
 
     @staticmethod
     def decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                scale: float) -> torch.Tensor:
-        """One query token per sequence, fixed shapes: (B, H, D) over (B, W * block_size) keys."""
-        b, h, d = query.shape
-        kv = kv_cache.shape[3]
-        k = kv_cache[0][block_tables].flatten(1, 2)  # (B, L, KV, D)
-        v = kv_cache[1][block_tables].flatten(1, 2)
-        valid = torch.arange(k.shape[1], device=query.device)[None, :] < seq_lens[:, None]  # (B, L)
-        v = v.masked_fill(~valid[:, :, None, None], 0)
-        q = query.view(b, kv, h // kv, d)
-        scores = torch.einsum("bkgd,blkd->bkgl", q, k).float() * scale
-        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-        probs = scores.softmax(-1).to(v.dtype)
-        return torch.einsum("bkgl,blkd->bkgd", probs, v).reshape(b, h, d)
+        """One query token per sequence, fixed shapes: query (B, H, D) over each sequence's W blocks
+        (block_tables (B, W)); keys at or past seq_lens are masked. Returns (B, H, D)."""
+        b, heads, head_dim = query.shape
+        num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[3]
+        length = block_tables.shape[1] * block_size
+        kv = kv_cache.index_select(2, block_tables.flatten()).view(2, num_kv_heads, b, length, head_dim)
+        q = query.view(b, num_kv_heads, heads // num_kv_heads, head_dim).transpose(0, 1).to(kv.dtype)  # (KV, B, G, D)
+        valid = torch.arange(length, device=query.device) < seq_lens[:, None]  # (B, L)
+        out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=valid[None, :, None, :], scale=scale)
+        return out.transpose(0, 1).reshape(b, heads, head_dim).to(query.dtype)
 
     @staticmethod
-    def _per_sequence(query: torch.Tensor, flat: torch.Tensor, metadata: PagedMetadata,
-                      scale: float) -> torch.Tensor:
-        out = torch.empty_like(query)
-        groups = query.shape[1] // flat.shape[2]
-        bs = metadata.block_size
-        starts = metadata.query_start_loc.tolist()
-        for i, (q_len, ctx) in enumerate(zip(metadata.query_lens, metadata.context_lens)):
-            total = ctx + q_len
-            pos = torch.arange(total, device=query.device)
-            slots = metadata.block_tables[i][pos // bs] * bs + pos % bs
-            k = flat[0, slots].transpose(0, 1).repeat_interleave(groups, 0)  # (H, total, D)
-            v = flat[1, slots].transpose(0, 1).repeat_interleave(groups, 0)
-            q = query[starts[i]:starts[i + 1]].transpose(0, 1)  # (H, q_len, D)
-            if ctx == 0:
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-            else:
-                mask = pos[None, :] <= torch.arange(ctx, total, device=query.device)[:, None]
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-            out[starts[i]:starts[i + 1]] = o.transpose(0, 1)
-        return out
+    def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: PagedMetadata, scale: float, out: torch.Tensor) -> None:
+        """Each prefill's query rows over its context and new tokens, causal, into `out`; one
+        gather serves every prefill with cached context."""
+        context = None
+        if metadata.context_slots is not None:
+            num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[-1]
+            context = kv_cache.view(2, num_kv_heads, -1, head_dim).index_select(2, metadata.context_slots)
+        for p in metadata.prefills:
+            q = query[p.start:p.end].transpose(0, 1).unsqueeze(0)  # (1, H, q, D)
+            if p.kv_start is None:  # keys are the chunk's own: plain causal
+                k, v = (t[p.start:p.end].transpose(0, 1).unsqueeze(0).to(q.dtype) for t in (key, value))
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            else:  # (1, KV, seq_len, D); query row j sits at position seq_len - q_len + j
+                k, v = (context[i, :, p.kv_start:p.kv_end].unsqueeze(0).to(q.dtype) for i in (0, 1))
+                bias = causal_lower_right(q.shape[2], k.shape[2])
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
+            out[p.start:p.end] = o[0].transpose(0, 1)

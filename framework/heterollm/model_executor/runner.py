@@ -6,19 +6,22 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from heterollm.config import ConfigError, HeterollmConfig
-from heterollm.interfaces import AttentionInputs, RunnerOutput, SchedulerOutput, TokenLogprobs
+from heterollm.interfaces import (AttentionInputs, Communicator, ForwardContext, RunnerOutput, ScheduledRequest,
+                                  SchedulerOutput, StepInputs, TokenLogprobs)
 from heterollm.model_executor import ops
-from heterollm.model_executor.layers import ForwardContext
 from heterollm.model_executor.linear_method import model_bytes, prepare_linears, select_linear_method
 from heterollm.model_executor.loader import ModelSource, iter_weights
 from heterollm.model_executor.parallel import ParallelContext
 from heterollm.model_executor.registry import get_model_class
 from heterollm.sampling.sampler import Sampler, SamplingRow, gather_logprobs
+
+if TYPE_CHECKING:
+    from heterollm.plugins.resolver import Selection
 
 logger = logging.getLogger("heterollm.runner")
 
@@ -72,18 +75,20 @@ class LaunchContext:
     """What an executor is constructed with."""
 
     config: HeterollmConfig
-    selection: Any
+    selection: Selection
+    """The platform and the component table the launcher resolved."""
     source: ModelSource
     max_model_len: int
     rank: int = 0
     """Tensor-parallel rank of the worker this context builds (distributed/worker.py sets it)."""
     world_size: int = 1
-    communicator: Any = None
+    communicator: Communicator | None = None
+    """The rank's communicator (None for a single rank: its collectives are no-ops)."""
 
 
 class ModelRunner:
     def __init__(self, launch: LaunchContext, rank: int | None = None, world_size: int | None = None,
-                 communicator: Any = None) -> None:
+                 communicator: Communicator | None = None) -> None:
         self.launch = launch
         self.config = launch.config
         self.source = launch.source
@@ -183,40 +188,45 @@ class ModelRunner:
         return int(blocks)
 
     def initialize_cache(self, num_blocks: int) -> None:
+        """Allocate the caches, then capture the decode graphs (`--enable_graph`), all of them now,
+        before any request. A failed capture turns graphs off with a warning: the engine serves
+        eagerly."""
         layers, kv_heads, head_dim = self.model.kv_geometry
         shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, kv_heads, head_dim)
         # empty, not zeros: pages are committed as blocks are first written; backends never read
         # a slot that has not been written for the sequence reading it
         self.kv_caches = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
-        sizes = graph_batch_sizes(self.config)
-        self.graph_runner.capture(self._forward, sizes)
-        if sizes:
-            self._warm_up_graphs(sizes, num_blocks)
+        self._capture_graphs(graph_batch_sizes(self.config))
 
     @torch.inference_mode()
-    def _warm_up_graphs(self, sizes: list[int], num_blocks: int) -> None:
-        """Run decode steps of 1 and 2 sequences through the graph runner before any request, so a
-        graph that is built on first use (a compiled CPU step, a captured device bucket) is built at
-        start-up, not in a request's TTFT. They write only slot 1 of the first blocks, which no
-        request owns yet (a one-slot block size takes two blocks per sequence)."""
+    def _capture_graphs(self, sizes: list[int]) -> None:
         started = time.perf_counter()
-        per_seq = -(-2 // self.block_size)  # blocks holding positions 0 and 1
-        for batch in sorted({1, max(1, min(2, sizes[-1], num_blocks // per_seq))}):
-            tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
-            inputs = AttentionInputs(query_lens=[1] * batch, context_lens=[1] * batch, block_tables=tables,
-                                     block_size=self.block_size)
-            ctx = ForwardContext(self.attn_backend, self.attn_backend.build_metadata(inputs, self.device),
-                                 self.kv_caches)
-            self.graph_runner.run(self._forward, input_ids=torch.zeros(batch, dtype=torch.long, device=self.device),
-                                  positions=torch.ones(batch, dtype=torch.long, device=self.device), ctx=ctx)
-        logger.info("decode graphs warmed up (batch sizes up to %d) in %.1fs", sizes[-1],
-                    time.perf_counter() - started)
+        try:
+            self.graph_runner.capture(self._forward, sizes, self._decode_inputs)
+        except Exception as exc:  # graphs are an optimization: serve without them
+            logger.warning("decode graph capture failed, running every step eagerly: %s: %s", type(exc).__name__, exc)
+            self.graph_runner.capture(self._forward, [], self._decode_inputs)
+            return
+        if sizes:
+            logger.info("decode graphs for batch sizes up to %d built in %.1fs", sizes[-1],
+                        time.perf_counter() - started)
+
+    def _decode_inputs(self, batch: int) -> StepInputs:
+        """A decode step of `batch` sequences for capturing graphs at start-up: every sequence at
+        position 1 of block 0 (no request owns a block yet), its table as wide as the longest
+        sequence's (max_model_len) so no later step outgrows a captured graph."""
+        width = -(-self.launch.max_model_len // self.block_size)
+        inputs = AttentionInputs(query_lens=[1] * batch, context_lens=[1] * batch, block_tables=[[0] * width] * batch,
+                                 block_size=self.block_size)
+        ctx = ForwardContext(self.attn_backend, self.attn_backend.build_metadata(inputs, self.device), self.kv_caches)
+        return StepInputs(torch.zeros(batch, dtype=torch.long, device=self.device),
+                          torch.ones(batch, dtype=torch.long, device=self.device), ctx)
 
     # -- one step --------------------------------------------------------------------------
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.model(input_ids, positions, ctx)
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        return self.model(inputs.input_ids, inputs.positions, inputs.ctx)
 
-    def _generator(self, r: Any) -> torch.Generator | None:
+    def _generator(self, r: ScheduledRequest) -> torch.Generator | None:
         """A request with a seed samples from its own generator, kept across steps (and across a
         preemption), so its output does not depend on what else is in the batch."""
         seed = r.sampling.params.seed
@@ -225,7 +235,7 @@ class ModelRunner:
         gen = self.generators.get(r.request_id)
         if gen is None:
             gen = self.generators[r.request_id] = torch.Generator(device=self.device)
-            gen.manual_seed(seed + getattr(r.sampling, "seed_offset", 0))
+            gen.manual_seed(seed + r.sampling.seed_offset)
         return gen
 
     @torch.inference_mode()
@@ -236,11 +246,11 @@ class ModelRunner:
         if not reqs:
             return RunnerOutput([], [], [], [])
         t0 = time.perf_counter()
-        input_ids, positions, ctx, query_lens = self._prepare(reqs)
+        inputs = self._prepare(reqs)
         t1 = time.perf_counter()
-        hidden = self.graph_runner.run(self._forward, input_ids=input_ids, positions=positions, ctx=ctx)
+        hidden = self.graph_runner.run(self._forward, inputs)
         t2 = time.perf_counter()
-        ends = torch.tensor(query_lens).cumsum(0).tolist()
+        ends = torch.tensor([len(r.new_token_ids) for r in reqs]).cumsum(0).tolist()
         sampled = self._sample(reqs, hidden, ends)
         prompt_lps: list[list[TokenLogprobs | None] | None] = [None] * len(reqs)
         for i, r in enumerate(reqs):
@@ -255,7 +265,7 @@ class ModelRunner:
             prompt_logprobs=prompt_lps,
             timings={"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2})
 
-    def _prepare(self, reqs: list[Any]) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
+    def _prepare(self, reqs: list[ScheduledRequest]) -> StepInputs:
         """Flatten the step's new tokens and build the attention metadata."""
         ids: list[int] = []
         positions: list[int] = []
@@ -267,10 +277,9 @@ class ModelRunner:
                                  block_tables=[r.block_ids for r in reqs], block_size=self.block_size)
         meta = self.attn_backend.build_metadata(inputs, self.device)
         ctx = ForwardContext(self.attn_backend, meta, self.kv_caches)
-        return (torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), ctx,
-                inputs.query_lens)
+        return StepInputs(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), ctx)
 
-    def _sample(self, reqs: list[Any], hidden: torch.Tensor, ends: list[int]) -> dict[int, tuple[int, Any]]:
+    def _sample(self, reqs: list[ScheduledRequest], hidden: torch.Tensor, ends: list[int]) -> dict[int, tuple[int, Any]]:
         """Sample the requests that finish their step's tokens: batch index -> (token, logprobs)."""
         sample_idx = [i for i, r in enumerate(reqs) if r.sample]
         if not sample_idx:
@@ -282,7 +291,7 @@ class ModelRunner:
         tokens, lps = self.sampler(logits, rows)
         return {i: (t, lp) for i, t, lp in zip(sample_idx, tokens, lps)}
 
-    def _prompt_logprobs(self, r: Any, hidden: torch.Tensor) -> list[TokenLogprobs | None]:
+    def _prompt_logprobs(self, r: ScheduledRequest, hidden: torch.Tensor) -> list[TokenLogprobs | None]:
         """Logprobs of prompt tokens start+1 .. end (position j predicts token j + 1)."""
         start = r.num_computed_tokens
         prompt = r.prompt_token_ids

@@ -1,11 +1,13 @@
 """The graph runner: a real backend captures decode steps as device graphs (CUDA graph, ACL graph,
-MLU graph) for batch-size buckets and replays them; the template runs every step eagerly."""
+MLU graph) for batch-size buckets at start-up and replays them (subclass the core's
+`DeviceGraphRunner` and supply its `GraphOps`); the template runs every step eagerly."""
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from heterollm.interfaces import GraphRunner
+import torch
+
+from heterollm.interfaces import DecodeInputs, GraphRunner, StepForward, StepInputs
 
 
 class TemplateGraphRunner(GraphRunner):
@@ -15,11 +17,11 @@ class TemplateGraphRunner(GraphRunner):
     def validate(cls, config) -> list[str]:
         return []
 
-    def capture(self, forward: Callable[..., Any], batch_sizes: Sequence[int]) -> None:
+    def capture(self, forward: StepForward, batch_sizes: Sequence[int], make_inputs: DecodeInputs) -> None:
         """Nothing to capture."""
 
     def can_replay(self, num_tokens: int, is_decode_only: bool) -> bool:
         return False
 
-    def run(self, forward: Callable[..., Any], **inputs: Any) -> Any:
-        return forward(**inputs)
+    def run(self, forward: StepForward, inputs: StepInputs) -> torch.Tensor:
+        return forward(inputs)

@@ -22,7 +22,7 @@ class ExampleAttention(AttentionBackend):
         return (2, num_blocks * block_size, num_kv_heads, head_dim)
 
     def build_metadata(self, inputs: AttentionInputs, device: torch.device) -> AttentionMetadata:
-        bs = self.block_size = inputs.block_size  # the flat cache layout does not carry it
+        bs = inputs.block_size
         starts = [0]
         for q in inputs.query_lens:
             starts.append(starts[-1] + q)
@@ -35,9 +35,11 @@ class ExampleAttention(AttentionBackend):
             num_tokens=starts[-1], slot_mapping=torch.tensor(new_slots, dtype=torch.long),
             query_start_loc=torch.tensor(starts), block_tables=tables,
             seq_lens=torch.tensor([c + q for c, q in zip(inputs.context_lens, inputs.query_lens)]),
-            query_lens=list(inputs.query_lens), context_lens=list(inputs.context_lens))
+            query_lens=list(inputs.query_lens), context_lens=list(inputs.context_lens), block_size=bs,
+            num_prefill_tokens=inputs.num_prefill_tokens, num_decode_tokens=inputs.num_decode_tokens)
 
-    def forward(self, query, key, value, kv_cache, metadata, scale):
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         k_cache[metadata.slot_mapping] = key.to(k_cache.dtype)
         v_cache[metadata.slot_mapping] = value.to(v_cache.dtype)
@@ -47,7 +49,7 @@ class ExampleAttention(AttentionBackend):
         for i, (ctx, q_len) in enumerate(zip(metadata.context_lens, metadata.query_lens)):
             total = ctx + q_len
             table = metadata.block_tables[i]
-            bs = self.block_size
+            bs = metadata.block_size
             pos = torch.arange(total)
             slots = table[pos // bs] * bs + pos % bs
             k = k_cache[slots].float().repeat_interleave(num_heads // num_kv, dim=1)  # (total, H, D)
