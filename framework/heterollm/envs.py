@@ -23,3 +23,9 @@ def cache_dir() -> Path:
         return Path(explicit).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "heterollm"
+
+
+def local_rank() -> int | None:
+    """LOCAL_RANK, set by launchers such as torchrun: this process's index among its node's ranks."""
+    value = os.environ.get("LOCAL_RANK")
+    return int(value) if value else None

@@ -181,3 +181,62 @@ def test_explicit_bf16_is_refused_at_launch_where_the_device_lacks_it(monkeypatc
     problems = fake_platform(MluPlatform, FakeDeviceModule(False)).validate(config)
     assert any("--dtype=bfloat16" in p for p in problems)
     assert not fake_platform(MluPlatform, FakeDeviceModule(True)).validate(config)
+
+
+# -- defect 6: each tensor-parallel rank bound to its local device and seeded ----------------------
+def tp_config(tp_size: int, nnodes: int = 1, seed: int = 1):
+    from types import SimpleNamespace
+    return SimpleNamespace(parallel=SimpleNamespace(tp_size=tp_size), distributed=SimpleNamespace(nnodes=nnodes),
+                           execution=SimpleNamespace(random_seed=seed))
+
+
+def test_local_rank_honours_launchers_then_the_nodes_share(monkeypatch):
+    from heterollm.distributed.worker import local_rank
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert [local_rank(tp_config(4, nnodes=2), r) for r in (2, 3)] == [0, 1]  # the second node's ranks
+    assert local_rank(tp_config(3), 2) == 2
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    assert local_rank(tp_config(4, nnodes=2), 2) == 5
+
+
+class RecordingPlatform:
+    device_type = "cpu"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def set_device(self, local_rank: int) -> None:
+        self.calls.append(("set_device", local_rank))
+
+    def seed(self, seed: int) -> None:
+        self.calls.append(("seed", seed))
+
+
+def test_every_rank_is_bound_to_its_local_device_and_seeded(monkeypatch):
+    from heterollm.distributed.worker import _bind
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    platform = RecordingPlatform()
+    _bind(platform, tp_config(4, nnodes=2, seed=7), 3)
+    assert platform.calls == [("set_device", 1), ("seed", 7)]
+    unseeded = RecordingPlatform()
+    _bind(unseeded, tp_config(2, seed=-1), 1)
+    assert unseeded.calls == [("set_device", 1)]
+
+
+def test_collective_device_is_the_bound_device_and_none_on_the_host(monkeypatch):
+    from heterollm.distributed.worker import collective_device
+    assert collective_device(RecordingPlatform()) is None
+    accelerator = RecordingPlatform()
+    accelerator.device_type = "meta"  # stands for any accelerator: its device module says device 1 is bound
+    monkeypatch.setattr(torch, "get_device_module", lambda kind: FakeDeviceModule())
+    assert collective_device(accelerator) == torch.device("meta", 1)
+
+
+@pytest.mark.parametrize("device", [None, torch.device("meta", 1)])
+def test_the_process_group_is_bound_to_the_device(monkeypatch, device):
+    from heterollm.distributed import communicator as comm
+    seen = {}
+    monkeypatch.setattr(comm.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(comm.dist, "init_process_group", lambda *a, **kw: seen.update(kw))
+    comm.TorchDistributedCommunicator(1, 2, "tcp://127.0.0.1:1", device=device)
+    assert seen.get("device_id") == device and ("device_id" in seen) == (device is not None)

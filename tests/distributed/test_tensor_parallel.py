@@ -1,6 +1,7 @@
 """Tensor parallelism on CPU (gloo): one spawned worker process per rank. Greedy tokens with
 tp_size=2 equal tp_size=1 for every model family, with K/V heads split or replicated; shapes that
-cannot split fail with a message naming the shape; a worker that dies fails the step, never hangs."""
+cannot split fail with a message naming the shape; --random_seed makes sampled text repeatable; a
+worker that dies fails the step, never hangs."""
 from __future__ import annotations
 
 import os
@@ -38,6 +39,21 @@ def test_tp2_equals_tp1(tmp_path, family, shape):
     tokens2, lps2 = run(folder, tp_size=2)
     assert tokens2 == tokens1
     assert lps2 == pytest.approx(lps1, abs=1e-4)
+
+
+def test_random_seed_makes_sampled_text_repeatable_across_ranks(tmp_path):
+    """--random_seed seeds every rank's process, not only the engine's: sampling with tp_size=2
+    gives the same text on every run (issue 18, defect 6)."""
+    folder = build_tiny_model(tmp_path / "llama", "llama")
+    sampled = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        llm = LLM(str(folder), **FLAGS, tp_size=2, random_seed=1)
+        try:
+            runs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], sampled)])
+        finally:
+            llm.shutdown()
+    assert runs[0] == runs[1]
 
 
 def test_a_shape_that_cannot_split_names_itself(tmp_path):

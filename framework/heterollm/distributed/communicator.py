@@ -25,12 +25,16 @@ class TorchDistributedCommunicator(Communicator):
     def validate(cls, config) -> list[str]:
         return []
 
-    def __init__(self, rank: int, world_size: int, init_method: str | None) -> None:
+    def __init__(self, rank: int, world_size: int, init_method: str | None,
+                 device: torch.device | None = None) -> None:
         self._rank, self._world_size = rank, world_size
         self._owns_group = False
         if world_size > 1 and not dist.is_initialized():
+            # device_id binds the group to this rank's device (the vendor library then never guesses
+            # it from the rank); none for host tensors
+            bound = {} if device is None else {"device_id": device}
             dist.init_process_group(self.backend, init_method=init_method, rank=rank, world_size=world_size,
-                                    timeout=COLLECTIVE_TIMEOUT)
+                                    timeout=COLLECTIVE_TIMEOUT, **bound)
             self._owns_group = True
 
     @property

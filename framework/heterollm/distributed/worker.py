@@ -12,7 +12,14 @@ import logging
 import os
 import time
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from heterollm import envs
+
+if TYPE_CHECKING:
+    import torch
+
+    from heterollm.interfaces import Platform
 
 logger = logging.getLogger("heterollm.worker")
 
@@ -49,6 +56,34 @@ def _threads(local_ranks: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
 
 
+def local_rank(config: Any, rank: int) -> int:
+    """This rank's index among its node's ranks: LOCAL_RANK when a launcher (torchrun) set it, else
+    its position in the node's share of --tp_size (see executor.local_ranks)."""
+    from_launcher = envs.local_rank()
+    if from_launcher is not None:
+        return from_launcher
+    return rank % (config.parallel.tp_size // config.distributed.nnodes)
+
+
+def _bind(platform: Platform, config: Any, rank: int) -> None:
+    """Bind this process to its device, then seed it as the engine seeds its own process: every
+    rank draws the same random numbers, so --random_seed makes sampled text repeatable."""
+    platform.set_device(local_rank(config, rank))
+    if config.execution.random_seed >= 0:
+        platform.seed(config.execution.random_seed)
+
+
+def collective_device(platform: Platform) -> torch.device | None:
+    """The device this rank's collectives run on (the one `set_device` bound), for
+    `init_process_group(device_id=...)`; None on a platform whose tensors live on the host."""
+    import torch
+
+    if platform.device_type == "cpu":
+        return None
+    index = torch.get_device_module(platform.device_type).current_device()
+    return torch.device(platform.device_type, index)
+
+
 def worker_main(config: Any, rank: int, world_size: int, address: str, max_model_len: int, local_ranks: int,
                 conn: Any = None) -> None:
     """The process entry point (spawned). `conn` is the engine's pipe on rank 0, else None."""
@@ -74,10 +109,11 @@ def _build(config: Any, rank: int, world_size: int, address: str, max_model_len:
     from heterollm.model_executor.runner import LaunchContext
 
     selection = launch_selection(config)
-    selection.platform.set_device(rank)
+    _bind(selection.platform, config, rank)
     if rank != 0:
         wait_for_master(address, config.server.max_reconnect_count, world_size)
-    communicator = selection.component("communicators")(rank, world_size, address)
+    communicator = selection.component("communicators")(rank, world_size, address,
+                                                        device=collective_device(selection.platform))
     ctrl = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
     launch = LaunchContext(config, selection, resolve_model(config.model.model), max_model_len,
                            rank=rank, world_size=world_size, communicator=communicator)

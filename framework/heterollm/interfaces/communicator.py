@@ -15,8 +15,10 @@ class Communicator(Component):
     Models call only this, never torch.distributed. With world_size 1 every call is a no-op."""
 
     @abstractmethod
-    def __init__(self, rank: int, world_size: int, init_method: str | None) -> None:
-        """Join (or, for world_size 1, skip) the process group."""
+    def __init__(self, rank: int, world_size: int, init_method: str | None,
+                 device: torch.device | None = None) -> None:
+        """Join (or, for world_size 1, skip) the process group. `device`: the device this rank's
+        collectives run on (bound by `Platform.set_device`); None where tensors live on the host."""
 
     @property
     @abstractmethod
