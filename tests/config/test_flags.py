@@ -25,10 +25,11 @@ def normalized(spec, value: Any) -> Any:
 
 
 def alternatives(spec) -> list[Any]:
-    """Two distinct valid non-default values for a flag, found by trying typical candidates."""
+    """Valid non-default values for a flag (two distinct ones where the type has them), found by
+    trying typical candidates."""
     default = spec.default
     if spec.is_bool:
-        return [not default, not default]
+        return [not default]
     choices = flag_choices(spec.field)
     if default is None:
         cands = ["alpha", "beta", 2, 3, 8002, 8003, 0.5, 1.5, {"a": 1}, {"b": 2}]
@@ -71,7 +72,9 @@ def test_precedence_per_flag(name, tmp_path):
         pytest.skip("names the file itself")
     alts = alternatives(spec)
     assert alts, f"no valid non-default value found for {name}"
-    json_value, cli_value = alts[0], alts[-1]
+    # the CLI value differs from the JSON one: a second alternative, or (a bool) the default spelled out
+    json_value, cli_value = alts[0], alts[1] if len(alts) > 1 else spec.default
+    assert normalized(spec, cli_value) != normalized(spec, json_value), name
     cfg_file = tmp_path / "c.json"
     cfg_file.write_text(json.dumps({name: json_value}))
 
@@ -221,3 +224,77 @@ def test_json_errors_name_the_file(tmp_path):
 def test_parse_flags_negation_only_for_bools():
     with pytest.raises(ConfigError, match="unknown flag"):
         parse_flags(["--noblock_size"])
+
+
+def _spec_flags() -> dict[str, str]:
+    """Every flag of the xLLM table (spec/xllm_flags.md) -> its default as the spec writes it."""
+    from pathlib import Path
+
+    spec = Path(__file__).resolve().parents[3] / "shared" / "spec" / "xllm_flags.md"
+    if not spec.exists():
+        pytest.skip(f"the flag table is not beside this checkout ({spec})")
+    out, section = {}, ""
+    for line in spec.read_text(encoding="utf-8").splitlines():
+        if line.startswith("## "):
+            section = line
+        elif line.startswith("| ") and "kv_events_config fields" not in section:
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            if len(cells) >= 3 and cells[0] not in ("参数名称", "字段") and not cells[0].startswith("---"):
+                out[cells[0]] = cells[2]
+    return out
+
+
+def _spec_default(text: str) -> Any:
+    text = text.strip()
+    if text in ("true", "false"):
+        return text == "true"
+    if text.startswith('"') and text.endswith('"'):
+        return text[1:-1]
+    if text == "std::numeric_limits<int32_t>::max()":
+        return 2**31 - 1
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
+def test_the_dump_holds_every_xllm_flag_with_the_spec_default(cli, tmp_path):
+    """With the four backend wheels installed (scripts/setup.sh), `heterollm config --enable_dump_config_json`
+    writes every flag of the xLLM table, NPU-, CUDA- and MLU-owned ones included, at the spec's default."""
+    table = _spec_flags()
+    assert len(table) >= 160
+    r = cli("config", "--model", "m", "--enable_dump_config_json", cwd=tmp_path)
+    assert r.rc == 0, r.err
+    dumped = json.loads((tmp_path / "xllm_config.json").read_text())
+    missing = sorted(set(table) - set(dumped))
+    assert not missing, missing
+    overridden = {"model": "m", "enable_dump_config_json": True}
+    wrong = {n: (dumped[n], d) for n, d in table.items() if n not in overridden and dumped[n] != _spec_default(d)}
+    assert not wrong, wrong
+
+
+def test_a_backend_flag_without_its_wheel_names_the_distribution():
+    """Only the CPU wheel installed: an NPU-owned flag is not in the config, and setting it names heterollm-npu."""
+    from heterollm.config.loader import FlagTable
+    from heterollm.config.schema import build_schema, schema_groups
+    from heterollm.plugins import Registry
+
+    registry = Registry.discover()
+    registry.backends = [b for b in registry.backends if b.name in ("cpu", "core")]
+    schema = build_schema(schema_groups(registry))
+    assert "enable_fused_mc2" not in schema.specs and "npu" not in schema.groups
+    with pytest.raises(ConfigError, match=r"--enable_fused_mc2: belongs to heterollm-npu, which is not installed"):
+        load_config(["--enable_fused_mc2=1"], table=FlagTable(schema=schema))
+    with pytest.raises(ConfigError, match=r"belongs to heterollm-cuda, which is not installed"):
+        load_config(["--enable-custom-all-reduce"], table=FlagTable(schema=schema))
+    assert load_config([], table=FlagTable(schema=schema)).config.flat()["block_size"] == 128
+
+
+def test_backend_groups_join_the_config_and_survive_pickling():
+    import pickle
+
+    config = load_config(["--template_fast_path", "--enable_fused_mc2=2"]).config
+    assert config.template.template_fast_path is True and config.npu.enable_fused_mc2 == 2
+    assert FLAG_SPECS["enable_fused_mc2"].owner == "heterollm-npu"
+    assert FLAG_SPECS["block_size"].owner == ""
+    assert pickle.loads(pickle.dumps(config)) == config  # worker processes rebuild the composed class

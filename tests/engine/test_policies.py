@@ -186,7 +186,7 @@ def test_fcfs_refuses_starvation_knobs_and_the_engine_refuses_priorities(tiny_ll
 
 
 def test_launch_names_the_flag():
-    from heterollm.entrypoints.launch import launch_selection
+    from heterollm.plugins.launch import launch_selection
     from heterollm.plugins.resolver import LaunchError
 
     with pytest.raises(LaunchError, match="--aggressive_coeff=3.0"):

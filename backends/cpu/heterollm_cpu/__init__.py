@@ -1,7 +1,28 @@
 """heterollm's CPU backend, the reference every other backend is tested against.
 
-This module stays import-light: the registry reads `__heterollm_api__` before any entry point's
-module (and torch) is imported.
+This module stays import-light (no torch): the registry reads `BACKEND.api_version` before it
+imports any class the descriptor names.
 """
-__heterollm_api__ = ">=1.0,<2"
+from heterollm.interfaces.backend import Backend
+
 __version__ = "0.1.0"
+
+KV_INT8 = "an int8 KV cache is not implemented by this backend (K/V are stored in the model dtype)"
+
+BACKEND = Backend(
+    name="cpu",
+    api_version=">=2.0,<3",
+    platform="heterollm_cpu.platform:CpuPlatform",
+    components={
+        "attention": "heterollm_cpu.attention:CpuPagedAttention",
+        "graph_runners": "heterollm_cpu.graph_runner:CpuGraphRunner",
+        "communicators": "heterollm_cpu.communicator:GlooCommunicator",
+        "executors": "heterollm.model_executor.executor:InProcessExecutor",
+    },
+    unsupported={
+        "enable_graph_mode_decode_no_padding": "device graphs only: the CPU graph (torch.compile) has dynamic "
+                                               "shapes and never pads a batch",
+        "kv_cache_dtype": KV_INT8,
+    },
+    register_ops="heterollm_cpu.linear:register_ops",
+)

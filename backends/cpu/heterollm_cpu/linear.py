@@ -114,9 +114,7 @@ class WeightOnlyInt4(LinearMethod):
         return y if bias is None else y + bias
 
 
-def register() -> None:
+def register_ops(config: Any = None) -> None:
+    """The CPU backend's `register_ops` (its descriptor names it): the linear methods, family `cpu`."""
     for name, cls in (("none", OneDnnLinear), ("wint8", WeightOnlyInt8), ("wint4", WeightOnlyInt4)):
         ops.register(f"linear.{name}", family="cpu")(cls)
-
-
-register()

@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from heterollm.interfaces import Platform
-from heterollm_cpu import linear as _linear  # noqa: F401  (registers the CPU linear methods)
 
 if TYPE_CHECKING:
     from heterollm.config import HeterollmConfig

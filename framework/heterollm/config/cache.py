@@ -1,4 +1,4 @@
-"""xLLM flag groups for weights/VMM, the KV cache and the KV cache store."""
+"""xLLM flag groups for the KV cache and the KV cache store (the NPU-only VMM flags live in heterollm-npu)."""
 
 import json
 import re
@@ -6,15 +6,6 @@ import re
 from pydantic import Field, ValidationError, field_validator
 
 from heterollm.config.base import FlagGroup, Int32, Int64, UInt32, choice, flag
-
-
-class VmmConfig(FlagGroup):
-    """weight loading / VMM (NPU) flags (xLLM)."""
-
-    enable_vmm_weights: bool = flag(False, "为模型权重启用 VMM。与 enable_vmm_kvcache 独立,仅 NPU 支持。")
-    enable_rolling_load: bool = flag(False, "使用固定数量的 HBM 槽位按层加载 DiT 权重,仅 NPU 支持。")
-    rolling_load_num_cached_layers: Int32 = flag(2, "enable_rolling_load=true 时 HBM 中保留的 decoder layer 权重槽位数量。", ge=0)
-    rolling_load_num_rolling_slots: Int32 = flag(-1, "decoder rolling load 使用的 rolling 槽位数量;固定槽位数为 rolling_load_num_cached_layers - rolling_load_num_rolling_slots。-1 表示自动设置为 min(2, preload_count),取值需在 [-1, rolling_load_num_cached_layers] 范围内。", ge=-1)
 
 
 class KVEventsConfig(FlagGroup):
@@ -110,11 +101,6 @@ class KVCacheConfig(FlagGroup):
     enable_in_batch_prefix_cache: bool = flag(False, "是否将已准入的 prefill 完整 block 缓存进 prefix cache,使同一 batch 内的后续请求可以共享。")
     max_linear_state_cache_slots: Int64 = flag(0, "linear-attention state cache 的最大活跃槽位数;0 表示根据可用 KV Cache 预算自动推导容量。", ge=0)
     xxh3_128bits_seed: UInt32 = flag(1024, "XXH3 128-bit 哈希的默认 seed。")
-    enable_vmm_kvcache: bool = flag(False, "为 KV Cache 启用 VMM,与 enable_vmm_weights 独立;false 使用原有物理 KV Cache 实现,仅 NPU 支持。")
-    enable_shared_kv_cache: bool = flag(False, "target Full KV、Linear state extents 与兼容的 Full-only MTP draft KV 共享固定物理 arena。target/draft 使用不同 bank 视图及相同最终页号,Linear state 可复用 draft bank 空间。draft Full 行几何须与 target 一致,draft 层数须能填满 companion bank。原生 NPU Torch Qwen hybrid 路径仍限普通 eager;Python 路径支持 eager/chunked prefill、ACL decode/verify 和普通 Qwen3.5/3.8 MTP。")
-    vmm_elastic: bool = flag(True, "任一 VMM 开关启用后,按需扩张活动逻辑槽位及物理页,并释放空闲页的物理内存;false 使用固定驻留池。")
-    vmm_memory_reserve_bytes: Int64 = flag(0, "弹性虚拟内存增长时额外保留的设备空闲显存,单位 byte,须非负;在运行时执行预留空间之外叠加生效。", ge=0)
-    vmm_startup_timeout_ms: Int32 = flag(120000, "VMM 启动时,master 等待节点注册、各非 master 等待物理池就绪分别使用的超时,单位毫秒,须为正数。独立于单次 RPC 超时,每个等待阶段单独计时。", gt=0)
     phy_page_granularity_size: Int64 = flag(2097152, "单个物理页的粒度大小,单位 byte,默认 2 MiB;用于连续 KV Cache。", gt=0)
 
     @field_validator("kv_events_config")

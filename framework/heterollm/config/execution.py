@@ -1,4 +1,5 @@
-"""xLLM flag groups for execution (graphs, shm, seed), NPU and DiT."""
+"""xLLM flag groups for execution (graphs, shm, seed) and DiT (NPU-only and CUDA-only flags live in
+those backends' wheels)."""
 
 from heterollm.config.base import FlagGroup, Int32, Int64, UInt64, choice, flag
 
@@ -8,13 +9,8 @@ class ExecutionConfig(FlagGroup):
 
     extension_impl: str = flag("", "为模型、执行器等注册组件选择原生扩展实现族;空值保留原有选择方式。所选实现族必须已注册;该实现族未注册的组件继续使用原有选择方式。")
     enable_graph: bool = flag(False, "是否在 decode 阶段启用图执行以降低 kernel launch 开销和设备空闲时间;支持 CUDA Graph、ACL Graph(NPU)、MLU Graph 和 DCU Graph,详见 图执行。", aliases=("use_cudagraph",))
-    enable_graph_double_buffer: bool = flag(True, "是否为 NPU schedule-overlap decode 启用双缓冲 ACL graph 持久化参数与 graph 实例。")
     enable_graph_mode_decode_no_padding: bool = flag(False, "decode 阶段是否按实际 num_tokens 捕获 graph,而不是按 padding 后 shape 捕获。")
-    enable_prefill_piecewise_graph: bool = flag(False, "是否在 prefill 阶段启用 piecewise CUDA graph;attention 使用 eager 模式,其他操作捕获进 CUDA graph。")
-    enable_graph_vmm_pool: bool = flag(True, "是否启用 VMM-backed CUDA graph memory pool,用于多 shape graph 的显存复用。")
     max_tokens_for_graph_mode: Int32 = flag(2048, "图执行最大 token 数;0 表示不限制。", ge=0)
-    acl_graph_decode_batch_size_limit: Int32 = flag(16, "NPU 上 ACL graph 的 decode batch size 阈值;实际 decode batch size 超过该值时,ACL graph decode 会回退到 eager 模式以避免 OOM。", gt=0)
-    block_draft_graph_warmup_max_kv_len: Int32 = flag(0, "仅为 Python block draft 的独立 ACL graph(DSpark/DFlash2,包括 GLM MLA draft)预捕获按 2 的幂增长的 KV 容量桶。0 覆盖完整模型上下文;正数预捕获到覆盖该长度的容量桶;-1 保留按需捕获。已有 warmup 必需的形状始终保留,即使超过正数上限。超过预捕获上界的请求仍可在线扩桶。更多容量桶会增加启动时间和 draft 图显存占用;不改变 target、MTP、context-write 或可选整轮 unified graph 的预热策略。", ge=-1)
     enable_shm: bool = flag(False, "是否为模型执行启用共享内存。")
     use_contiguous_input_buffer: bool = flag(True, "是否使用连续的 device input buffer 执行模型。")
     input_shm_size: UInt64 = flag(1024, "输入共享内存大小,默认 1GB。")
@@ -22,14 +18,6 @@ class ExecutionConfig(FlagGroup):
     random_seed: Int32 = flag(-1, "随机数生成器 seed;-1 表示不固定 seed。", ge=-1)
     enable_dsa_multi_stream: bool = flag(False, "为 Python GLM indexer 启用局部并行:K/weights 投影在辅助流执行,query/cache 行相同时保留融合投影;主流同步后再更新 index cache。非 interleaved RoPE 还可并行 Q 投影/RoPE 与 cache 准备。主 attention 准备完成后才执行 indexer。要求模型后端和设备流能力均受支持。")
     enable_attn_dp_weight_sharding: bool = flag(False, "在 Python GLM MLA 中,将依赖 attention head 的权重按 TP × DP 切分。要求 DP > 1、CP = 1、layerwise split = 1,attention head 数能被 TP × DP 整除。每个 token owner 仍执行普通 TP 的本地 heads,每层使用三次通信;MoE 使用独立的 MoE TP/EP 分组。")
-
-
-class NPUConfig(FlagGroup):
-    """NPU flags (xLLM)."""
-
-    npu_kernel_backend: choice("AUTO", "TORCH") = flag("AUTO", "NPU kernel 后端,支持 AUTO、TORCH。")
-    enable_fused_mc2: Int32 = flag(-1, "NPU 的 Fused MC2 模式;-1 使用自动默认值,0 禁用 fused MC2,正值启用 dense matmul-allreduce,1 对 MoE 使用 DispatchFFNCombine,2 对 MoE 使用 DispatchGmmCombineDecode。", ge=-1, le=2)
-    enable_dspark_native_sas: bool = flag(False, "启用 NPU DSpark 原生 SparseAttnSharedkv 语义。旧版算子若不接受非空 ori_sparse_indices,可能在 tiling 阶段终止进程;请保持关闭以使用 q_len=1 兼容模式。")
 
 
 class DiTConfig(FlagGroup):

@@ -35,7 +35,6 @@ class FastDeployConfig(FlagGroup):
     long_prefill_token_threshold: Optional[int] = flag(None, "请求 token 数超过此值被视为长请求,默认 max_model_len*0.04。", gt=0)
     static_decode_blocks: int = flag(2, "每条请求强制从 Prefill 的 KVCache 分配给 Decode 的块数。", ge=0)
     graph_optimization_config: JsonDict = flag(None, "计算图优化参数 (JSON 对象),如 {\"use_cudagraph\": false, \"graph_opt_level\": 0, \"cudagraph_capture_sizes\": null}。")
-    enable_custom_all_reduce: bool = flag(False, "开启 Custom all-reduce。")
     splitwise_role: choice("mixed", "decode", "prefill") = flag("mixed", "splitwise 推理角色: mixed、decode、prefill。")
     innode_prefill_ports: Optional[str] = flag(None, "prefill 实例内部引擎启动端口 (仅单机 PD 分离需要)。")
     guided_decoding_backend: choice("auto", "xgrammar", "off") = flag("off", "guided decoding 后端: auto、xgrammar、off。")

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from heterollm.config.base import FlagGroup
 from heterollm.config.errors import ConfigError
-from heterollm.config.schema import CONFIG_GROUPS, FLAG_ALIASES, FLAG_SPECS, FlagSpec, HeterollmConfig, build_index
+from heterollm.config.schema import FOREIGN_FLAGS, ConfigSchema, FlagSpec, HeterollmConfig, build_index, current_schema
 
 Source = Literal["default", "json", "cli"]
 _BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
@@ -34,23 +34,26 @@ class LoadedConfig:
     def describe(self) -> dict[str, dict[str, dict[str, Any]]]:
         """{group: {flag: {"value": v, "source": s}}} for `heterollm config`."""
         out: dict[str, dict[str, dict[str, Any]]] = {}
-        for group_name in CONFIG_GROUPS:
+        for group_name in type(self.config).model_fields:
             values = getattr(self.config, group_name).model_dump(mode="json")
             out[group_name] = {k: {"value": v, "source": self.sources[k]} for k, v in values.items()}
         return out
 
 
 class FlagTable:
-    """The set of spellings a command accepts: all config flags plus command-specific groups."""
+    """The set of spellings a command accepts: all config flags (the core's and the installed
+    backends') plus command-specific groups."""
 
-    def __init__(self, extra_groups: Mapping[str, type[FlagGroup]] | None = None) -> None:
+    def __init__(self, extra_groups: Mapping[str, type[FlagGroup]] | None = None,
+                 schema: ConfigSchema | None = None) -> None:
+        self.schema = schema or current_schema()
         self.extra_groups = dict(extra_groups or {})
         extra_specs, extra_aliases = build_index(self.extra_groups)
-        clash = set(extra_specs) & set(FLAG_SPECS)
+        clash = set(extra_specs) & set(self.schema.specs)
         if clash:
             raise RuntimeError(f"command flags shadow config flags: {sorted(clash)}")
-        self.specs: dict[str, FlagSpec] = {**FLAG_SPECS, **extra_specs}
-        self.aliases: dict[str, str] = {**FLAG_ALIASES, **extra_aliases}
+        self.specs: dict[str, FlagSpec] = {**self.schema.specs, **extra_specs}
+        self.aliases: dict[str, str] = {**self.schema.aliases, **extra_aliases}
 
     def canonical(self, spelling: str) -> str | None:
         """The flag name for a spelling (dashes == underscores, aliases resolved), or None."""
@@ -60,6 +63,10 @@ class FlagTable:
         return self.aliases.get(key)
 
     def unknown(self, spelling: str, where: str) -> ConfigError:
+        owner = FOREIGN_FLAGS.get(spelling.replace("-", "_"))
+        if owner is not None:
+            return ConfigError(f"{where}: belongs to {owner}, which is not installed "
+                               f"(pip install {owner}, or drop the flag)")
         names = list(self.specs) + list(self.aliases)
         close = difflib.get_close_matches(spelling.replace("-", "_"), names, n=3, cutoff=0.6)
         hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else ""
@@ -127,7 +134,7 @@ def read_json_file(path: str, table: FlagTable) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for key, value in data.items():
         name = table.canonical(key)
-        if name is None or name not in FLAG_SPECS:
+        if name is None or name not in table.schema.specs:
             raise table.unknown(key, f"{key!r} in {path}")
         values[name] = value
     return values
@@ -147,14 +154,15 @@ def load_config(argv: Sequence[str] = (), *, table: FlagTable | None = None,
     from_json = read_json_file(json_path, table) if json_path else {}
     from_json.pop("config_json_file", None)
     merged = {**from_json, **cli}
+    schema = table.schema
     sources: dict[str, Source] = {
-        name: "cli" if name in cli else "json" if name in from_json else "default" for name in FLAG_SPECS
+        name: "cli" if name in cli else "json" if name in from_json else "default" for name in schema.specs
     }
-    groups = {g: _build_group(g, cls, merged, sources) for g, cls in CONFIG_GROUPS.items()}
+    groups = {g: _build_group(g, cls, merged, sources) for g, cls in schema.groups.items()}
     extra = {}
     for g, cls in table.extra_groups.items():
         extra.update(_build_group(g, cls, merged, {k: "cli" for k in merged}).model_dump())
-    return LoadedConfig(HeterollmConfig(**groups), sources, extra)
+    return LoadedConfig(schema.model(**groups), sources, extra)
 
 
 def _build_group(group_name: str, cls: type[FlagGroup], values: Mapping[str, Any],
@@ -178,9 +186,9 @@ def _explain(exc: ValidationError, values: Mapping[str, Any], sources: Mapping[s
 
 
 def dump_config(config: HeterollmConfig, path: str | Path) -> Path:
-    """Write the effective config as flat JSON that `--config_json_file` reads back to the same config."""
+    """Write the effective config as flat JSON that `--config_json_file` reads back to the same config
+    (every flag, `config_json_file` too: reading a file ignores the entry naming a file)."""
     data = config.flat()
-    data.pop("config_json_file", None)
     target = Path(path)
     target.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return target

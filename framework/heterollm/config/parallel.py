@@ -1,4 +1,5 @@
-"""xLLM flag groups for parallelism, EPLB, multi-node and PD disaggregation."""
+"""xLLM flag groups for parallelism, EPLB, multi-node and PD disaggregation (NPU-only flags of these
+groups live in heterollm-npu)."""
 
 from heterollm.config.base import FlagGroup, Int32, Int64, choice, flag
 
@@ -14,10 +15,7 @@ class ParallelConfig(FlagGroup):
     sp_size: Int64 = flag(1, "Sequence parallel 规模,仅 DiT 模型使用。", ge=1)
     cfg_size: Int64 = flag(1, "Classifier-free guidance parallel 规模,仅 DiT 模型使用。", ge=1)
     vae_size: Int64 = flag(1, "VAE patch parallel 规模,仅 DiT 模型使用。", ge=1)
-    communication_backend: choice("hccl", "lccl") = flag("hccl", "NPU 通信后端,例如 lccl、hccl;启用 DP 时使用 hccl。")
     enable_mm_encoder_dp: bool = flag(False, "是否为多模态模型启用 encoder data parallel。")
-    enable_multi_stream_parallel: bool = flag(False, "是否在 prefill 阶段通过双 stream 和双 micro batch 启用计算通信并行;详见 多流并行。")
-    micro_batch_num: Int32 = flag(1, "多流并行使用的 micro batch 数。", ge=1)
 
 
 class EplbConfig(FlagGroup):
@@ -27,7 +25,6 @@ class EplbConfig(FlagGroup):
     redundant_experts_num: Int32 = flag(1, "每个 device 上的冗余 expert 数量。", ge=0)
     eplb_update_interval: Int64 = flag(1000, "EPLB 更新间隔。", gt=0)
     expert_parallel_degree: Int32 = flag(0, "Expert parallel degree。", ge=0)
-    rank_tablefile: str = flag("", "ATB HCCL rank table 文件。")
 
 
 class DistributedConfig(FlagGroup):

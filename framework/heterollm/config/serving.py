@@ -39,7 +39,6 @@ class ModelConfig(FlagGroup):
     reasoning_parser: str = flag("", "reasoning 交互解析器,例如 auto、glm45、glm47、glm5、qwen3、qwen35、deepseek-r1。")
     tool_call_parser: str = flag("", "tool-call 交互解析器,例如 auto、qwen25、qwen3、qwen35、qwen3_coder、kimi_k2、deepseekv3、deepseekv32、deepseekv4、deepseekv41、glm45、glm47、glm5。")
     enable_qwen3_reranker: bool = flag(False, "是否启用 Qwen3 reranker。")
-    flashinfer_workspace_buffer_size: Int32 = flag(134217728, "FlashInfer split-k attention 中用于保存中间 attention 结果的预留 workspace 大小,默认 128 MiB。", gt=0)
     enable_return_mm_full_embeddings: bool = flag(False, "VLM 模型是否返回 ViT embedding 与序列 embedding。")
     mm_download_headers: str = flag("", "多模态下载的 service 级默认 HTTP header,为 JSON 对象;per-request header 优先级更高。示例:{\"Authorization\":\"Bearer xxx\"}。")
     use_audio_in_video: bool = flag(False, "输入为视频时,是否同时解码音频和视频。")

@@ -1,15 +1,18 @@
-"""The central table of which flags work where.
+"""The core's table of flags that cannot leave their default yet, whatever the platform.
 
-A flag listed here may only leave its default on the platforms the rule names (or, for a rule
-with no platforms, not at all yet). Launch collects every refusal into one error, so a flag is
-never silently ignored. Flags not listed work everywhere.
+A flag listed here is refused at a non-default value (a feature a later issue builds, DiT or
+multimodal models, a FastDeploy-internal process). What a platform or family cannot serve is its
+own backend's word (`Backend.unsupported`, `Component.validate`), checked by the resolver; flags a
+backend owns are refused when that backend is not selected. Launch collects every refusal into one
+error, so a flag is never silently ignored. Flags not listed work everywhere.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from heterollm.config.schema import FLAG_SPECS, HeterollmConfig
+from heterollm.config.execution import DiTConfig
+from heterollm.config.schema import HeterollmConfig, current_schema
 
 
 @dataclass(frozen=True)
@@ -17,19 +20,14 @@ class Rule:
     """Why a flag cannot leave its default here."""
 
     reason: str
-    platforms: frozenset[str] = frozenset()
-    """Platforms that own the flag; empty means no platform implements it yet."""
     ok_values: tuple[Any, ...] = ()
     """Non-default values that are accepted anyway (e.g. turning an unbuilt feature off)."""
 
 
-def _rules(names: str, reason: str, platforms: tuple[str, ...] = (), ok: tuple[Any, ...] = ()) -> dict[str, Rule]:
-    return {n: Rule(reason, frozenset(platforms), ok) for n in names.split()}
+def _rules(names: str, reason: str, ok: tuple[Any, ...] = ()) -> dict[str, Rule]:
+    return {n: Rule(reason, ok) for n in names.split()}
 
 
-NPU_ONLY = "Ascend NPU only"
-MLU_ONLY = "Cambricon MLU only"
-CUDA_ONLY = "CUDA only"
 DIT = "DiT (diffusion) models only; heterollm serves text LLMs"
 MULTIMODAL = "multimodal models are not supported yet"
 NO_EQUIVALENT = "FastDeploy-internal; heterollm has no such component"
@@ -37,33 +35,19 @@ IN_PROCESS = ("xLLM's bRPC workers and handler thread pools have no equivalent: 
               "(asyncio HTTP server + one engine thread)")
 
 RULES: dict[str, Rule] = {
-    **_rules("enable_vmm_weights enable_rolling_load rolling_load_num_cached_layers rolling_load_num_rolling_slots "
-             "enable_vmm_kvcache enable_shared_kv_cache vmm_elastic vmm_memory_reserve_bytes vmm_startup_timeout_ms "
-             "communication_backend enable_graph_double_buffer acl_graph_decode_batch_size_limit "
-             "block_draft_graph_warmup_max_kv_len npu_kernel_backend enable_fused_mc2 enable_dspark_native_sas "
-             "rank_tablefile enable_multi_stream_parallel micro_batch_num", NPU_ONLY, ("npu",)),
-    **_rules("kv_cache_dtype", MLU_ONLY, ("mlu",)),
-    **_rules("enable_prefill_piecewise_graph enable_graph_vmm_pool flashinfer_workspace_buffer_size "
-             "enable_custom_all_reduce", CUDA_ONLY, ("cuda",)),
     **_rules("sp_size cfg_size vae_size max_requests_per_batch " + " ".join(
-        n for n in FLAG_SPECS if n.startswith("dit_")), DIT),
+        n for n in DiTConfig.model_fields if n.startswith("dit_")), DIT),
     **_rules("limit_image_per_prompt max_encoder_cache_size enable_return_mm_full_embeddings mm_download_headers "
              "use_audio_in_video audio_max_upload_file_mb audio_max_decode_duration_s enable_mm_encoder_dp "
              "enable_return_embedding_modality_tags mm_processor_kwargs limit_mm_per_prompt enable_mm", MULTIMODAL),
     **_rules("engine_worker_queue_port cache_queue_port", NO_EQUIVALENT),
-    **_rules("enable_graph max_tokens_for_graph_mode",
-             "graph execution needs a graph runner (CUDA graphs, ACL graph, MLU graph, torch.compile on CPU)",
-             ("cuda", "npu", "mlu", "cpu")),
-    **_rules("enable_graph_mode_decode_no_padding",
-             "device graphs only: the CPU graph (torch.compile) has dynamic shapes and never pads a batch",
-             ("cuda", "npu", "mlu")),
     **_rules("rpc_channel_timeout_ms num_threads num_request_handling_threads "
              "num_response_handling_threads", IN_PROCESS),
 }
 
 def _planned(names: str, reason: str, ok: tuple[Any, ...] = ()) -> None:
     """Features that a later issue builds: each entry leaves when its feature lands."""
-    RULES.update(_rules(names, f"not built yet ({reason})", (), ok))
+    RULES.update(_rules(names, f"not built yet ({reason})", ok))
 
 
 _planned("reasoning_parser tool_call_parser tool_parser_plugin", "tool calling / reasoning parsers")
@@ -98,19 +82,19 @@ _planned("indexer_cache_dtype max_linear_state_cache_slots phy_page_granularity_
          "models with indexer / linear-attention caches")
 
 
-def check_support(config: HeterollmConfig, platform: str) -> list[str]:
-    """One line per flag that leaves its default where no rule allows it."""
+def check_support(config: HeterollmConfig) -> list[str]:
+    """One line per flag of the core's table that leaves its default."""
     values = config.flat()
+    specs = current_schema().specs
     problems = []
     for name, rule in RULES.items():
         value = values[name]
-        default = FLAG_SPECS[name].field.get_default(call_default_factory=True)
-        if value == default or value in rule.ok_values or platform in rule.platforms:
+        if value == specs[name].default or value in rule.ok_values:
             continue
-        where = f" (selected platform: {platform})" if rule.platforms else ""
-        problems.append(f"--{name}={_show(value)}: {rule.reason}{where}")
+        problems.append(f"--{name}={show_value(value)}: {rule.reason}")
     return problems
 
 
-def _show(value: Any) -> str:
+def show_value(value: Any) -> str:
+    """A flag value as the command line spells it."""
     return str(value).lower() if isinstance(value, bool) else str(value)

@@ -145,7 +145,7 @@ class MultiprocExecutor(Executor):
 def run_node_workers(config: Any) -> int:
     """`--node_rank K` (K > 0) of a multi-node job: run this node's ranks until node 0's engine
     stops them. Returns the exit status (0 when every rank ended cleanly)."""
-    from heterollm.entrypoints.launch import launch_selection
+    from heterollm.plugins.launch import launch_selection
     from heterollm.model_executor.loader import resolve_model
     from heterollm.model_executor.runner import model_max_len
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from heterollm.config import ConfigError, LoadedConfig, dump_config, load_config
 from heterollm.config.base import FlagGroup
 from heterollm.config.loader import FlagTable
-from heterollm.config.support import check_support
 from heterollm.entrypoints.generate import GenerateFlags
 from heterollm.entrypoints.serve import ServeFlags
 
@@ -41,7 +40,12 @@ def _configure_logging(level: str = "INFO") -> None:
 
 
 def _cmd_config(loaded: LoadedConfig) -> int:
-    out = {"config": loaded.describe(), "unsupported_here": check_support(loaded.config, loaded.config.device.device)}
+    """The effective config with each value's source, after the same platform, component and flag
+    checks a launch runs (a LaunchError exits 2 like `serve` would)."""
+    from heterollm.plugins import resolve
+
+    selection = resolve(loaded.config)
+    out = {"config": loaded.describe(), "selection": selection.as_dict()}
     print(json.dumps(out, indent=2, ensure_ascii=False))
     return 0
 

@@ -1,10 +1,11 @@
-"""The contracts a backend implements: Platform, AttentionBackend, GraphRunner, Communicator, Executor.
+"""The contracts a backend implements: Platform, AttentionBackend, GraphRunner, Communicator, Executor,
+and the one `Backend` descriptor a backend wheel registers.
 
-A backend distribution declares the contract range it implements in its top-level package
-(`__heterollm_api__ = ">=1.0,<2"`); the registry checks it against API_VERSION before it
-imports any of the backend's modules.
+A backend's descriptor declares the contract range it implements (`api_version=">=2.0,<3"`); the
+registry checks it against API_VERSION before it imports any class the descriptor names.
 """
 from heterollm.interfaces.attention import AttentionBackend, AttentionInputs, AttentionMetadata
+from heterollm.interfaces.backend import Backend
 from heterollm.interfaces.batch import RunnerOutput, SamplingInfo, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from heterollm.interfaces.communicator import Communicator
 from heterollm.interfaces.component import Component
@@ -13,9 +14,10 @@ from heterollm.interfaces.graph_runner import GraphRunner
 from heterollm.interfaces.platform import Platform
 from heterollm.interfaces.step import DecodeInputs, ForwardContext, StepForward, StepInputs
 
-API_VERSION = "1.0"
+API_VERSION = "2.0"
+"""2.0: one Backend descriptor per wheel (group heterollm.backends) replaced the per-group entry points."""
 
-__all__ = ["API_VERSION", "AttentionBackend", "AttentionInputs", "AttentionMetadata", "RunnerOutput",
+__all__ = ["API_VERSION", "AttentionBackend", "Backend", "AttentionInputs", "AttentionMetadata", "RunnerOutput",
            "ScheduledRequest", "SchedulerOutput", "TokenLogprobs", "Communicator", "Component", "Executor",
            "ExecutorDead",
            "GraphRunner", "Platform", "SamplingInfo", "DecodeInputs", "ForwardContext", "StepForward", "StepInputs"]

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from heterollm.config import HeterollmConfig
@@ -11,11 +11,9 @@ if TYPE_CHECKING:
 class Component(ABC):
     """Base of attention backends, graph runners, communicators and executors.
 
-    `platforms` names the platforms (Platform.name) the class can run on; resolution only
-    picks a component for a platform it lists.
+    Which platforms a component serves is its backend descriptor's business (`Backend.runs_on`),
+    not the class's: one class may serve several backends.
     """
-
-    platforms: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     @abstractmethod

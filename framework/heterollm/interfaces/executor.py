@@ -1,13 +1,14 @@
-"""Executor: owns the workers and runs steps (entry-point group `heterollm.executors`)."""
+"""Executor: owns the workers and runs steps (a backend's `components["executors"]`)."""
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from heterollm.interfaces.component import Component
 
 if TYPE_CHECKING:
     from heterollm.interfaces.batch import RunnerOutput, SchedulerOutput
+    from heterollm.model_executor.runner import LaunchContext
 
 
 class ExecutorDead(RuntimeError):
@@ -20,8 +21,15 @@ class Executor(Component):
     Call order: `load_model` -> `determine_num_blocks` -> `initialize_cache` -> `execute`* -> `shutdown`.
     """
 
+    @classmethod
+    def create(cls, launch: LaunchContext) -> Executor:
+        """How the engine builds the selected executor. The default constructs `cls`; a subclass may
+        return another executor, e.g. the core's in-process executor returns one process per rank
+        (distributed.MultiprocExecutor) for --tp_size > 1, each rank running `cls` itself."""
+        return cls(launch)
+
     @abstractmethod
-    def __init__(self, launch: Any) -> None:
+    def __init__(self, launch: LaunchContext) -> None:
         """`launch` carries the config, the selected Platform and the resolved component table."""
 
     @abstractmethod

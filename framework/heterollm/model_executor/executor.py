@@ -1,20 +1,25 @@
 """An in-process, single-worker Executor that backends can subclass (the CPU backend does)."""
 from __future__ import annotations
 
-from typing import ClassVar
-
 from heterollm.interfaces import Executor, RunnerOutput, SchedulerOutput
 from heterollm.model_executor.runner import LaunchContext, ModelRunner
 
 
 class InProcessExecutor(Executor):
-    """One ModelRunner in this process. Subclasses set `platforms` and may override `make_runner`."""
-
-    platforms: ClassVar[tuple[str, ...]] = ()
+    """One ModelRunner in this process. Subclasses may override `make_runner`."""
 
     @classmethod
     def validate(cls, config) -> list[str]:
         return []
+
+    @classmethod
+    def create(cls, launch: LaunchContext) -> Executor:
+        """One process per tensor-parallel rank (each running `cls`) when --tp_size > 1, else `cls`."""
+        if launch.config.parallel.tp_size > 1:
+            from heterollm.distributed.executor import MultiprocExecutor
+
+            return MultiprocExecutor(launch)
+        return cls(launch)
 
     def __init__(self, launch: LaunchContext) -> None:
         self.launch = launch

@@ -1,38 +1,28 @@
-"""Architecture name -> model class, from the `heterollm.models` entry points (the core registers
-its own families there) and from plugins' `heterollm_register_models` hook."""
+"""The model class a launch runs: chosen once by the resolver per (architecture, family) from the
+backend descriptors' `models` (the core registers its own under the family "core", through its
+descriptor `heterollm.model_executor.models:CORE_BACKEND`)."""
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from heterollm.config import ConfigError
 
-
-def _load_target(target: Any) -> Any:
-    if isinstance(target, str):
-        module, _, attr = target.partition(":")
-        return getattr(importlib.import_module(module), attr)
-    return target
+if TYPE_CHECKING:
+    from heterollm.plugins.resolver import Selection
 
 
-def model_architectures() -> dict[str, Any]:
-    from heterollm.plugins import get_registry, make_plugin_manager
+def supported_architectures() -> list[str]:
+    """Every architecture some installed family implements."""
+    from heterollm.plugins import get_registry
 
-    registry = get_registry()
-    found: dict[str, Any] = {}
-    for entry in registry.all("models"):
-        if entry.ok:
-            found.setdefault(entry.name, entry.obj)
-    extra: dict[str, Any] = {}
-    make_plugin_manager(registry).hook.heterollm_register_models(register=lambda a, t: extra.__setitem__(a, t))
-    found.update(extra)
-    return found
+    return get_registry().names("models")
 
 
-def get_model_class(architectures: list[str], where: str) -> Any:
-    known = model_architectures()
-    for arch in architectures:
-        if arch in known:
-            return _load_target(known[arch])
-    raise ConfigError(f"--model: {where} has architecture {architectures or '(none)'}, which heterollm does not "
-                      f"support (supported: {', '.join(sorted(known))})")
+def get_model_class(selection: Selection, architectures: Sequence[str], where: str) -> type:
+    """The selected implementation of the checkpoint's architecture, or a ConfigError naming what
+    is supported."""
+    if selection.model is None or selection.model.name not in architectures:
+        raise ConfigError(f"--model: {where} has architecture {list(architectures) or '(none)'}, which heterollm "
+                          f"does not support (supported: {', '.join(supported_architectures())})")
+    return selection.model.obj

@@ -1,10 +1,11 @@
-"""Entry-point discovery for every heterollm group, through stevedore.
+"""Entry-point discovery: backends (group `heterollm.backends`, one `Backend` descriptor per
+distribution) and general pluggy plugins (group `heterollm.plugins`), through stevedore.
 
-Each entry is recorded with its origin (distribution and version). Before an entry point's own
-module imports, the registry imports only the top-level package of the backend and checks its
-declared contract range (`__heterollm_api__`) against the core's API_VERSION, so a backend built
-for another contract is one clear line, not a crash deep inside a step. An entry that fails to
-import, declares the wrong range, or does not implement its group's contract is kept with its
+A backend's descriptor is loaded first (its package's `__init__`, import-light); its contract range
+is checked against API_VERSION before any class it names is imported, so a backend built for another
+contract is one clear line, not a crash deep inside a step. Then its platform, components and
+models are expanded into per-group entries, each recorded with its origin (distribution and
+version). An entry that fails to import or does not implement its group's contract is kept with its
 error: it is reported (and skipped unless selected), never fatal for the others.
 """
 from __future__ import annotations
@@ -21,8 +22,9 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from stevedore import ExtensionManager
 from stevedore.extension import Extension
 
-from heterollm.interfaces import (API_VERSION, AttentionBackend, Communicator, Executor, GraphRunner,
+from heterollm.interfaces import (API_VERSION, AttentionBackend, Backend, Communicator, Executor, GraphRunner,
                                   Platform)
+from heterollm.interfaces.backend import platform_class_check
 
 logger = logging.getLogger("heterollm.plugins")
 
@@ -40,21 +42,31 @@ GROUP_CONTRACTS: dict[str, type | None] = {
     "plugins": None,  # a pluggy plugin: any object with hookimpls
 }
 GROUPS = tuple(GROUP_CONTRACTS)
-_CORE_PACKAGE = "heterollm"
+DEFAULT_MODEL_FAMILY = "core"
+"""The family the core's own model implementations are registered under."""
 
 
 @dataclass
 class Entry:
-    """One registered (group, name) from one distribution."""
+    """One registered (group, name) from one distribution. For models, `name` is the architecture
+    and `family` the implementation family; for every other group `family == name`."""
 
     group: str
     name: str
     target: str
-    """The entry point's value, `module:attr`."""
+    """`module:attr` of the registered object."""
     dist: str
     version: str
     obj: Any = None
     error: str | None = None
+    family: str = ""
+    runs_on: tuple[str, ...] = ()
+    """Platforms a component or model serves (its backend's `runs_on`)."""
+    backend: str = ""
+    """The descriptor (Backend.name) it came from; "" for pluggy plugins."""
+
+    def __post_init__(self) -> None:
+        self.family = self.family or self.name
 
     @property
     def origin(self) -> str:
@@ -65,20 +77,39 @@ class Entry:
         return self.error is None
 
 
-class _Manager(ExtensionManager):
-    """stevedore's manager with two changes: entry points keep their distribution (stevedore's
-    on-disk cache drops it, and origins are how users tell two wheels apart), and the contract
-    range is checked before `ep.load()` imports the entry's module."""
+@dataclass
+class BackendEntry:
+    """One `heterollm.backends` entry point: its descriptor, or why it could not be used."""
 
-    def __init__(self, group: str, failures: list[tuple[Any, str]]) -> None:
+    name: str
+    target: str
+    dist: str
+    version: str
+    backend: Backend | None = None
+    error: str | None = None
+    flag_groups: dict[str, Any] = field(default_factory=dict)
+    """Its flag groups, loaded: config attribute -> FlagGroup class."""
+
+    @property
+    def origin(self) -> str:
+        return f"{self.dist} {self.version}"
+
+
+class _Manager(ExtensionManager):
+    """stevedore's manager with one change: entry points keep their distribution (stevedore's
+    on-disk cache drops it, and origins are how users tell two wheels apart)."""
+
+    def __init__(self, group: str, failures: list[tuple[Any, str]], check_package: bool = False) -> None:
         self._failures = failures
+        self._check_package = check_package
         super().__init__(f"{NAMESPACE}.{group}", on_load_failure_callback=self._failed)
 
     def list_entry_points(self) -> list[importlib.metadata.EntryPoint]:
         return list(importlib.metadata.entry_points(group=self.namespace))
 
     def _load_one_plugin(self, ep, invoke_on_load, invoke_args, invoke_kwds) -> Extension | None:
-        check_api_version(ep.value)
+        if self._check_package:
+            check_package_api(ep.value)
         return super()._load_one_plugin(ep, invoke_on_load, invoke_args, invoke_kwds)
 
     def _failed(self, _manager: Any, ep: importlib.metadata.EntryPoint, err: BaseException) -> None:
@@ -89,29 +120,45 @@ class APIVersionError(Exception):
     pass
 
 
-def check_api_version(target: str) -> None:
-    """Import the top-level package of `module:attr` and check its `__heterollm_api__` range."""
-    package = target.split(":", 1)[0].split(".", 1)[0]
-    if package == _CORE_PACKAGE:
-        return
-    top = importlib.import_module(package)
-    declared = getattr(top, "__heterollm_api__", None)
-    if declared is None:
-        raise APIVersionError(f"package {package!r} does not declare __heterollm_api__ "
-                              f"(the core implements contract {API_VERSION})")
+def check_api_range(declared: Any, who: str) -> None:
+    """Raise APIVersionError unless `declared` (a PEP 440 specifier) admits the core's API_VERSION."""
+    if not declared:
+        raise APIVersionError(f"{who} declares no contract range (the core implements contract {API_VERSION})")
     try:
         spec = SpecifierSet(str(declared))
     except InvalidSpecifier:
-        raise APIVersionError(f"package {package!r} declares an invalid __heterollm_api__ {declared!r}") from None
+        raise APIVersionError(f"{who} declares an invalid contract range {declared!r}") from None
     if API_VERSION not in spec:
-        raise APIVersionError(f"package {package!r} implements contract {declared}, "
-                              f"but this heterollm core implements {API_VERSION}")
+        raise APIVersionError(f"{who} implements contract {declared}, but this heterollm core implements "
+                              f"{API_VERSION}")
+
+
+def check_package_api(target: str) -> None:
+    """A pluggy plugin's package declares `__heterollm_api__`; checked before its module imports."""
+    package = target.split(":", 1)[0].split(".", 1)[0]
+    check_api_range(getattr(importlib.import_module(package), "__heterollm_api__", None),
+                    f"package {package!r} (__heterollm_api__)")
 
 
 def _describe_error(err: BaseException) -> str:
     if isinstance(err, APIVersionError):
         return f"contract version mismatch: {err}"
     return f"failed to import: {type(err).__name__}: {err}"
+
+
+def load_target(target: Any) -> Any:
+    """A class given directly, or imported from its `"module:attr"` path."""
+    if not isinstance(target, str):
+        return target
+    module, _, attr = target.partition(":")
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _target_name(target: Any) -> str:
+    return target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
 
 
 def _contract_error(group: str, obj: Any) -> str | None:
@@ -135,75 +182,162 @@ def _origin(ep: importlib.metadata.EntryPoint) -> tuple[str, str]:
     return dist.metadata["Name"] or dist.name, dist.version
 
 
+def _expand(info: BackendEntry) -> list[Entry]:
+    """The per-group entries of one healthy descriptor, each imported and contract-checked."""
+    backend = info.backend
+    wanted: list[tuple[str, str, str, Any]] = []  # (group, name, family, target)
+    if backend.platform is not None:
+        wanted.append(("platforms", backend.name, backend.name, backend.platform))
+    for group, target in backend.components.items():
+        wanted.append((group, backend.name, backend.name, target))
+    for arch, target in backend.models.items():
+        wanted.append(("models", arch, backend.name, target))
+    out = []
+    for group, name, family, target in wanted:
+        entry = Entry(group, name, _target_name(target), info.dist, info.version, family=family,
+                      runs_on=backend.runs_on, backend=backend.name)
+        if group not in GROUP_CONTRACTS or group == "plugins":
+            entry.error = f"names an unknown component group {group!r} (groups: {', '.join(COMPONENT_GROUPS)})"
+        else:
+            try:
+                entry.obj = load_target(target)
+            except Exception as exc:  # a vendor SDK missing: report, keep the others
+                entry.error = _describe_error(exc)
+            else:
+                entry.error = _contract_error(group, entry.obj)
+                if entry.error is None and group == "platforms":
+                    entry.error = platform_class_check(backend, entry.obj)
+        out.append(entry)
+    return out
+
+
+def _load_flag_groups(info: BackendEntry) -> None:
+    from heterollm.config.base import FlagGroup
+
+    for attr, target in info.backend.flags.items():
+        try:
+            cls = load_target(target)
+        except Exception as exc:
+            info.error = f"flag group {attr!r}: {_describe_error(exc)}"
+            return
+        if not (inspect.isclass(cls) and issubclass(cls, FlagGroup)):
+            info.error = f"flag group {attr!r} is {cls!r}, not a heterollm.config.base.FlagGroup"
+            return
+        info.flag_groups[attr] = cls
+
+
+def _discover_backends(failures: list[tuple[Any, str]]) -> list[BackendEntry]:
+    found = []
+    for ext in _Manager("backends", failures).extensions:
+        dist, version = _origin(ext.entry_point)
+        info = BackendEntry(ext.name, ext.entry_point.value, dist, version)
+        obj = ext.plugin
+        if not isinstance(obj, Backend):
+            info.error = f"registers {obj!r}, which is not a heterollm.interfaces.Backend descriptor"
+        else:
+            try:
+                check_api_range(obj.api_version, f"backend {obj.name!r}")
+            except APIVersionError as exc:
+                info.error = _describe_error(exc)
+            else:
+                info.backend = obj
+                info.name = obj.name
+                _load_flag_groups(info)
+        found.append(info)
+    for ep, reason in failures:
+        dist, version = _origin(ep)
+        found.append(BackendEntry(ep.name, ep.value, dist, version, error=reason))
+    failures.clear()
+    return found
+
+
 @dataclass
 class Registry:
-    """Every discovered entry, by group and name; duplicates and failures kept for reporting."""
+    """Every discovered backend, and every entry by group and name; duplicates and failures kept
+    for reporting."""
 
     entries: dict[str, dict[str, list[Entry]]] = field(default_factory=dict)
+    backends: list[BackendEntry] = field(default_factory=list)
 
     @classmethod
     def discover(cls) -> Registry:
         registry = cls({g: {} for g in GROUPS})
-        for group in GROUPS:
-            failures: list[tuple[Any, str]] = []
-            manager = _Manager(group, failures)
-            found: list[Entry] = []
-            for ext in manager.extensions:
-                dist, version = _origin(ext.entry_point)
-                entry = Entry(group, ext.name, ext.entry_point.value, dist, version, obj=ext.plugin)
-                entry.error = _contract_error(group, ext.plugin)
-                found.append(entry)
-            for ep, reason in failures:
-                dist, version = _origin(ep)
-                found.append(Entry(group, ep.name, ep.value, dist, version, error=reason))
-            for entry in found:
-                registry.entries[group].setdefault(entry.name, []).append(entry)
-                if entry.error:
-                    logger.warning("skipping %s entry %r from %s: %s", group, entry.name, entry.origin, entry.error)
+        failures: list[tuple[Any, str]] = []
+        registry.backends = _discover_backends(failures)
+        found: list[Entry] = []
+        for info in registry.backends:
+            if info.error:
+                logger.warning("skipping backend %r from %s: %s", info.name, info.origin, info.error)
+            else:
+                found += _expand(info)
+        for ext in _Manager("plugins", failures, check_package=True).extensions:
+            dist, version = _origin(ext.entry_point)
+            found.append(Entry("plugins", ext.name, ext.entry_point.value, dist, version, obj=ext.plugin))
+        for ep, reason in failures:
+            dist, version = _origin(ep)
+            found.append(Entry("plugins", ep.name, ep.value, dist, version, error=reason))
+        for entry in found:
+            registry.add(entry)
         for message in registry.duplicates():
             logger.warning("%s", message)
         return registry
+
+    def add(self, entry: Entry) -> None:
+        key = entry.name if entry.group != "models" else f"{entry.name}@{entry.family}"
+        self.entries.setdefault(entry.group, {}).setdefault(key, []).append(entry)
+        if entry.error:
+            logger.warning("skipping %s entry %r from %s: %s", entry.group, entry.name, entry.origin, entry.error)
 
     def all(self, group: str) -> Iterator[Entry]:
         for candidates in self.entries.get(group, {}).values():
             yield from candidates
 
     def names(self, group: str) -> list[str]:
-        return sorted(self.entries.get(group, {}))
+        return sorted({e.name for e in self.all(group)})
 
-    def candidates(self, group: str, name: str) -> list[Entry]:
-        return self.entries.get(group, {}).get(name, [])
+    def candidates(self, group: str, name: str, family: str | None = None) -> list[Entry]:
+        key = name if group != "models" else f"{name}@{family}"
+        return self.entries.get(group, {}).get(key, [])
 
     def families(self) -> list[str]:
-        """Names registered in any component group."""
-        return sorted({name for group in COMPONENT_GROUPS for name in self.entries.get(group, {})})
+        """Names registered in any component group or as a model family."""
+        names = {e.name for group in COMPONENT_GROUPS for e in self.all(group)}
+        return sorted(names | {e.family for e in self.all("models")})
+
+    def backend(self, name: str) -> BackendEntry | None:
+        """The healthy descriptor named `name` (the first, when duplicated: duplicates are refused
+        at selection through the entries)."""
+        return next((b for b in self.backends if b.backend is not None and b.name == name), None)
 
     def duplicates(self) -> list[str]:
         out = []
         for group, by_name in self.entries.items():
-            for name, candidates in by_name.items():
+            for candidates in by_name.values():
                 if len(candidates) > 1:
                     origins = " and ".join(f"{c.target} from {c.origin}" for c in candidates)
-                    out.append(f"duplicate {group} entry {name!r}: registered by {origins}")
+                    what = (f"{candidates[0].name!r} of family {candidates[0].family!r}" if group == "models"
+                            else repr(candidates[0].name))
+                    out.append(f"duplicate {group} entry {what}: registered by {origins}")
         return out
 
     def failures(self) -> list[Entry]:
         return [e for group in GROUPS for e in self.all(group) if e.error]
 
-    def get(self, group: str, name: str) -> Entry | None:
-        """The single healthy entry for (group, name); None when not registered.
+    def get(self, group: str, name: str, family: str | None = None) -> Entry | None:
+        """The single healthy entry for (group, name[, family]); None when not registered.
 
-        Raises LookupError when the name is registered but cannot be used (broken, or registered
-        by two distributions), since a selected entry must never fall back silently."""
-        candidates = self.candidates(group, name)
+        Raises LookupError when it is registered but cannot be used (broken, or registered by two
+        distributions), since a selected entry must never fall back silently."""
+        candidates = self.candidates(group, name, family)
         if not candidates:
             return None
+        what = f"{group} entry {name!r}" + (f" of family {family!r}" if group == "models" else "")
         if len(candidates) > 1:
             origins = " and ".join(c.origin for c in candidates)
-            raise LookupError(f"{group} entry {name!r} is registered by both {origins}; uninstall one")
+            raise LookupError(f"{what} is registered by both {origins}; uninstall one")
         entry = candidates[0]
         if entry.error:
-            raise LookupError(f"{group} entry {name!r} from {entry.origin} {entry.error}")
+            raise LookupError(f"{what} from {entry.origin} {entry.error}")
         return entry
 
 

@@ -3,19 +3,23 @@
 `--device` names the platform (auto: the first available accelerator, CPU last; platforms whose
 tensors live on the host, other than cpu, are used only when named). The family is
 `--extension_impl`, or the platform's `default_impl` when that is empty. For each component
-group the family's entry is used when it exists and lists the platform; other groups keep the
-platform's default family. Every reason the selection cannot serve the config is collected into
-one LaunchError.
+group the family's entry is used when it exists and serves the platform; other groups keep the
+platform's default family. A model architecture resolves the same way, with the core's own
+implementation last. Every reason the selection cannot serve the config is collected into one
+LaunchError: the platform's and components' `validate`, the selected backends' `unsupported`
+flags, flags owned by backends the selection does not use, and the core's support table.
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from heterollm.config.checks import check_flag_combinations
-from heterollm.config.support import check_support
-from heterollm.plugins.registry import COMPONENT_GROUPS, Entry, Registry, get_registry
+from heterollm.config.schema import current_schema
+from heterollm.config.support import check_support, show_value
+from heterollm.plugins.registry import COMPONENT_GROUPS, DEFAULT_MODEL_FAMILY, Entry, Registry, get_registry
 
 if TYPE_CHECKING:
     from heterollm.config import HeterollmConfig
@@ -35,30 +39,40 @@ class LaunchError(Exception):
 
 @dataclass(frozen=True)
 class Selection:
-    """The effective component table: platform plus group -> entry. Passed to worker processes
-    as `as_dict()` so they load exactly the same plugins."""
+    """The effective component table: platform plus group -> entry, and the model class when the
+    architecture was known at selection. Passed to worker processes as `as_dict()` so they load
+    exactly the same plugins."""
 
     platform: Platform
     platform_entry: Entry
     family: str
     components: dict[str, Entry]
+    backends: tuple[str, ...] = ()
+    """Names of the backends the selection uses (the platform's, and the family's when it provides
+    a component or the model): their flags are live, their `unsupported` rules apply."""
+    model: Entry | None = None
+    """The model implementation chosen for the checkpoint's architecture."""
 
     def component(self, group: str) -> Any:
         return self.components[group].obj
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "platform": {"name": self.platform_entry.name, "target": self.platform_entry.target,
-                         "origin": self.platform_entry.origin},
-            "family": self.family,
-            "components": {g: {"name": e.name, "target": e.target, "origin": e.origin}
-                           for g, e in self.components.items()},
-        }
+        rows = {"platform": _row(self.platform_entry), "family": self.family,
+                "components": {g: _row(e) for g, e in self.components.items()}}
+        if self.model is not None:
+            rows["model"] = {**_row(self.model), "architecture": self.model.name, "family": self.model.family}
+        return rows
 
     def describe(self) -> str:
         rows = [f"platform: {self.platform_entry.name} ({self.platform_entry.target}, {self.platform_entry.origin})"]
         rows += [f"{group}: {e.name} ({e.target}, {e.origin})" for group, e in self.components.items()]
+        if self.model is not None:
+            rows.append(f"model {self.model.name}: {self.model.family} ({self.model.target}, {self.model.origin})")
         return "; ".join(rows)
+
+
+def _row(entry: Entry) -> dict[str, str]:
+    return {"name": entry.name, "target": entry.target, "origin": entry.origin}
 
 
 def _installed_platforms(registry: Registry) -> str:
@@ -94,20 +108,10 @@ def _platform(registry: Registry, device: str) -> tuple[Entry, Platform]:
     raise LaunchError([f"--device=auto: no usable platform (installed: {_installed_platforms(registry)})"])
 
 
-def resolve(config: HeterollmConfig, registry: Registry | None = None) -> Selection:
-    """Resolve platform and components for `config`, or raise LaunchError with every reason."""
-    registry = registry or get_registry()
-    platform_entry, platform = _platform(registry, config.device.device)
-    requested = config.execution.extension_impl
-    family = requested or platform.default_impl
-    families = registry.families()
-    if requested and requested not in families:
-        raise LaunchError([f"--extension_impl={requested}: no component group registers family {requested!r} "
-                           f"(families installed: {', '.join(families) or 'none'})"])
-
+def _components(registry: Registry, platform: Platform, platform_entry: Entry,
+                requested: str) -> tuple[dict[str, Entry], list[str]]:
     reasons: list[str] = []
     components: dict[str, Entry] = {}
-    used_requested = False
     for group in COMPONENT_GROUPS:
         chosen = None
         if requested:
@@ -116,34 +120,98 @@ def resolve(config: HeterollmConfig, registry: Registry | None = None) -> Select
             except LookupError as exc:
                 reasons.append(f"--extension_impl={requested}: {exc}")
                 continue
-            if entry is not None and platform.name in entry.obj.platforms:
-                chosen, used_requested = entry, True
+            if entry is not None and platform.name in entry.runs_on:
+                chosen = entry
         if chosen is None:
             try:
                 chosen = registry.get(group, platform.default_impl)
             except LookupError as exc:
                 reasons.append(f"platform {platform.name}: default {exc}")
                 continue
-            if chosen is None or platform.name not in chosen.obj.platforms:
+            if chosen is None or platform.name not in chosen.runs_on:
                 reasons.append(f"platform {platform.name} ({platform_entry.origin}): no {group} implementation "
                                f"in its default family {platform.default_impl!r}")
                 continue
         components[group] = chosen
+    return components, reasons
+
+
+def resolve_model(registry: Registry, architectures: Sequence[str], families: Sequence[str],
+                  platform: str) -> Entry | None:
+    """The implementation of the first supported architecture: for each one, the first of `families`
+    (the --extension_impl family, the platform's default family) that implements it for `platform`,
+    else the core's. None when no architecture is implemented. Raises LookupError when the chosen
+    (architecture, family) is registered twice or broken."""
+    for arch in architectures:
+        for family in (*families, DEFAULT_MODEL_FAMILY):
+            entry = registry.get("models", arch, family)
+            if entry is not None and (family == DEFAULT_MODEL_FAMILY or platform in entry.runs_on):
+                return entry
+    return None
+
+
+def _owned_flag_problems(config: HeterollmConfig, backends: Sequence[str], platform: str) -> list[str]:
+    """Flags of installed backends the selection does not use, set to a non-default value."""
+    values = config.flat()
+    problems = []
+    for name, spec in current_schema().specs.items():
+        if spec.backend and spec.backend not in backends and values[name] != spec.default:
+            problems.append(f"--{name}={show_value(values[name])}: belongs to {spec.owner} (backend "
+                            f"{spec.backend!r}), which this launch does not use (platform: {platform})")
+    return problems
+
+
+def _unsupported_problems(config: HeterollmConfig, registry: Registry, backends: Sequence[str]) -> list[str]:
+    values = config.flat()
+    specs = current_schema().specs
+    problems = []
+    for name in backends:
+        info = registry.backend(name)
+        for flag, reason in (info.backend.unsupported.items() if info else ()):
+            if flag in values and values[flag] != specs[flag].default:
+                problems.append(f"--{flag}={show_value(values[flag])}: {reason} ({info.dist}, selected)")
+    return problems
+
+
+def resolve(config: HeterollmConfig, registry: Registry | None = None,
+            architectures: Sequence[str] = ()) -> Selection:
+    """Resolve platform, components and (given the checkpoint's architectures) the model for
+    `config`, or raise LaunchError with every reason."""
+    registry = registry or get_registry()
+    platform_entry, platform = _platform(registry, config.device.device)
+    requested = config.execution.extension_impl
+    family = requested or platform.default_impl
+    families = registry.families()
+    if requested and requested not in families:
+        raise LaunchError([f"--extension_impl={requested}: no component group or model registers family "
+                           f"{requested!r} (families installed: {', '.join(families) or 'none'})"])
+    components, reasons = _components(registry, platform, platform_entry, requested)
+    model = None
+    if not reasons and architectures:
+        try:
+            model = resolve_model(registry, architectures, [f for f in (requested, platform.default_impl) if f],
+                                  platform.name)
+        except LookupError as exc:
+            reasons.append(f"--model: {exc}")
+    used_requested = bool(requested) and (any(e.name == requested for e in components.values())
+                                          or (model is not None and model.family == requested))
     if requested and not used_requested and not reasons:
-        offers = sorted(f"{g} for {', '.join(e.obj.platforms)}" for g in COMPONENT_GROUPS
-                        for e in registry.candidates(g, requested) if e.ok)
+        offers = sorted({f"{e.group} for {', '.join(e.runs_on)}" for g in (*COMPONENT_GROUPS, "models")
+                         for e in registry.all(g) if e.family == requested and e.ok})
         reasons.append(f"--extension_impl={requested}: family {requested!r} has no component for platform "
                        f"{platform.name} (it provides: {'; '.join(offers) or 'nothing usable'})")
     if reasons:
         raise LaunchError(reasons)
 
+    backends = tuple(dict.fromkeys([platform_entry.backend, *(e.backend for e in components.values()),
+                                    *([model.backend] if model is not None and model.backend else [])]))
     reasons += platform.validate(config)
     for group, entry in components.items():
         reasons += [f"{group} {entry.name}: {r}" for r in entry.obj.validate(config)]
-    reasons += check_support(config, platform.name)
+    reasons += _unsupported_problems(config, registry, backends)
+    reasons += _owned_flag_problems(config, backends, platform.name)
+    reasons += check_support(config)
     reasons += check_flag_combinations(config)
     if reasons:
         raise LaunchError(reasons)
-    selection = Selection(platform, platform_entry, family, components)
-    logger.info("components: %s", selection.describe())
-    return selection
+    return Selection(platform, platform_entry, family, components, backends, model)

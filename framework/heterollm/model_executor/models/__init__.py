@@ -1,0 +1,13 @@
+"""The core's model implementations, one file per family, registered under the model family "core"
+(the fallback of every architecture) through the core's own backend descriptor."""
+from heterollm.interfaces.backend import Backend
+
+CORE_BACKEND = Backend(
+    name="core", api_version=">=2.0,<3",
+    models={
+        "LlamaForCausalLM": "heterollm.model_executor.models.llama:LlamaForCausalLM",
+        "MistralForCausalLM": "heterollm.model_executor.models.llama:LlamaForCausalLM",
+        "Qwen2ForCausalLM": "heterollm.model_executor.models.llama:Qwen2ForCausalLM",
+        "Qwen3ForCausalLM": "heterollm.model_executor.models.llama:Qwen3ForCausalLM",
+    },
+)

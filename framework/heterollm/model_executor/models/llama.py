@@ -64,10 +64,10 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: Any, idx: int, pctx: ParallelContext, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                 rotary: RotaryEmbedding) -> None:
+                 rotary: RotaryEmbedding, mlp_class: type[MLP] = MLP) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(cfg, idx, pctx, qkv_bias, o_bias, qk_norm, rotary)
-        self.mlp = MLP(cfg, pctx)
+        self.mlp = mlp_class(cfg, pctx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -78,12 +78,12 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     def __init__(self, cfg: Any, pctx: ParallelContext, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                 max_positions: int) -> None:
+                 max_positions: int, mlp_class: type[MLP] = MLP) -> None:
         super().__init__()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rotary = RotaryEmbedding(cfg, head_dim, max_positions)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, pctx)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, pctx, qkv_bias, o_bias, qk_norm, rotary)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, pctx, qkv_bias, o_bias, qk_norm, rotary, mlp_class)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = rotary
@@ -100,6 +100,8 @@ class LlamaForCausalLM(nn.Module):
     force_qkv_bias = False
     """Qwen2: q/k/v always carry a bias, o_proj never; elsewhere `attention_bias` covers all four."""
     qk_norm = False
+    mlp_class: type[MLP] = MLP
+    """The feed-forward block; a backend's model override may swap in its own (same weights)."""
 
     def __init__(self, hf_config: Any, pctx: ParallelContext, max_positions: int) -> None:
         super().__init__()
@@ -107,7 +109,7 @@ class LlamaForCausalLM(nn.Module):
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         qkv_bias = self.force_qkv_bias or attention_bias
         o_bias = attention_bias and not self.force_qkv_bias
-        self.model = DecoderModel(hf_config, pctx, qkv_bias, o_bias, self.qk_norm, max_positions)
+        self.model = DecoderModel(hf_config, pctx, qkv_bias, o_bias, self.qk_norm, max_positions, self.mlp_class)
         self.tie = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, pctx)
         if self.tie:
