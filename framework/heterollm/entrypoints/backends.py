@@ -1,10 +1,11 @@
-"""`heterollm backends`: every discovered platform and component, its origin, and whether it is usable."""
+"""`heterollm backends`: every discovered backend, platform, component and model implementation, its
+origin, and whether it is usable here."""
 from __future__ import annotations
 
-from heterollm.plugins import COMPONENT_GROUPS, get_registry
+from heterollm.plugins import COMPONENT_GROUPS, Entry, Registry, get_registry
 
 
-def _platform_status(entry) -> str:
+def _platform_status(entry: Entry) -> str:
     if entry.error:
         return f"broken: {entry.error}"
     try:
@@ -17,8 +18,30 @@ def _platform_status(entry) -> str:
         return f"broken: probe raised {type(exc).__name__}: {exc}"
 
 
+def _runs_on(entry: Entry, usable: set[str]) -> str:
+    if entry.error:
+        return f"broken: {entry.error}"
+    if not entry.runs_on:
+        return "usable on every platform"
+    here = [p for p in entry.runs_on if p in usable]
+    return f"usable on {', '.join(here)}" if here else f"not usable here: needs platform {', '.join(entry.runs_on)}"
+
+
+def _print_backends(registry: Registry) -> None:
+    print("backends:")
+    for b in registry.backends:
+        if b.error:
+            print(f"  {b.name:<10} {b.origin:<36} {b.target}\n  {'':<10} broken: {b.error}")
+            continue
+        flags = [f"--{name}" for cls in b.flag_groups.values() for name in cls.model_fields]
+        shown = ", ".join(flags[:6]) + (f" and {len(flags) - 6} more" if len(flags) > 6 else "")
+        print(f"  {b.name:<10} {b.origin:<36} {b.target} (contract {b.backend.api_version})"
+              + (f"\n  {'':<10} flags: {shown}" if flags else ""))
+
+
 def print_backends() -> int:
     registry = get_registry()
+    _print_backends(registry)
     usable = set()
     print("platforms:")
     entries = list(registry.all("platforms"))
@@ -35,20 +58,19 @@ def print_backends() -> int:
         if not rows:
             print("  (none)")
         for e in rows:
-            if e.error:
-                status = f"broken: {e.error}"
-            else:
-                plats = tuple(getattr(e.obj, "platforms", ()))
-                here = [p for p in plats if p in usable]
-                status = (f"usable on {', '.join(here)}" if here else
-                          f"not usable here: needs platform {', '.join(plats) or '(none declared)'}")
-            print(f"  {e.name:<10} {e.origin:<36} {e.target}\n  {'':<10} {status}")
-    for group in ("models", "plugins"):
-        rows = list(registry.all(group))
-        if rows:
-            print(f"{group}:")
-            for e in rows:
-                print(f"  {e.name:<24} {e.origin:<36} {'broken: ' + e.error if e.error else 'ok'}")
+            print(f"  {e.name:<10} {e.origin:<36} {e.target}\n  {'':<10} {_runs_on(e, usable)}")
+    print("models (architecture: family (origin) ...; the --extension_impl family's first, then the platform's, "
+          "then core):")
+    for arch in registry.names("models"):
+        impls = [e for e in registry.all("models") if e.name == arch]
+        shown = "; ".join(f"{e.family} ({e.origin}{', ' + _runs_on(e, usable) if e.family != 'core' else ''})"
+                          for e in impls)
+        print(f"  {arch}: {shown}")
+    plugins = list(registry.all("plugins"))
+    if plugins:
+        print("plugins:")
+        for e in plugins:
+            print(f"  {e.name:<24} {e.origin:<36} {'broken: ' + e.error if e.error else 'ok'}")
     for message in registry.duplicates():
         print(f"warning: {message}")
     return 0
