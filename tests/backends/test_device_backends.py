@@ -45,11 +45,12 @@ def test_the_device_graph_padding_flag_is_refused_on_cpu(cli):
 
 
 def test_npu_refuses_the_npu_flags_it_does_not_build():
-    from heterollm_npu.platform import NpuPlatform
+    from heterollm.plugins import get_registry
+    from heterollm.plugins.resolver import unsupported_flags
 
     cfg = load_config([], overrides={"model": "x", "enable_fused_mc2": 1, "npu_kernel_backend": "TORCH"}).config
-    problems = NpuPlatform().validate(cfg)
-    assert problems == ["--enable_fused_mc2=1: owned by the npu platform but not implemented by heterollm-npu yet"]
+    assert unsupported_flags(cfg, get_registry(), ["npu"]) == [
+        "--enable_fused_mc2=1: owned by heterollm-npu but not implemented yet (heterollm-npu, selected)"]
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -191,11 +192,14 @@ def test_cuda_graph_replay_gives_the_eager_tokens(tmp_path):
 
 
 def test_cuda_refuses_the_cuda_flags_it_does_not_build_and_accepts_graphs():
+    from heterollm.plugins import get_registry
+    from heterollm.plugins.resolver import unsupported_flags
     from heterollm_cuda.platform import CudaPlatform
 
     cfg = load_config([], overrides={"model": "x", "enable_custom_all_reduce": True, "enable_graph": True}).config
-    assert CudaPlatform().validate(cfg) == [
-        "--enable_custom_all_reduce=True: owned by the cuda platform but not implemented by heterollm-cuda yet"]
+    assert unsupported_flags(cfg, get_registry(), ["cuda"]) == [
+        "--enable_custom_all_reduce=true: owned by heterollm-cuda but not implemented yet (heterollm-cuda, selected)"]
+    assert CudaPlatform().validate(cfg) == []
 
 
 def device_path_llm(folder, monkeypatch, runner: Runner) -> LLM:

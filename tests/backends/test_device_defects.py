@@ -174,9 +174,7 @@ def test_dtype_auto_avoids_bf16_where_the_device_lacks_it():
 
 def test_explicit_bf16_is_refused_at_launch_where_the_device_lacks_it(monkeypatch):
     from heterollm.config import load_config
-    from heterollm.model_executor import device_backend
     from heterollm_mlu.platform import MluPlatform
-    monkeypatch.setattr(device_backend, "unbuilt_owned_flags", lambda *a: [])  # only the dtype rule here
     config = load_config([], overrides={"model": "x", "dtype": "bfloat16"}).config
     problems = fake_platform(MluPlatform, FakeDeviceModule(False)).validate(config)
     assert any("--dtype=bfloat16" in p for p in problems)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from heterollm.interfaces import Platform
-from heterollm.model_executor.device_backend import GRAPH_FLAGS, unbuilt_owned_flags
 
 
 class CudaPlatform(Platform):
@@ -47,6 +46,6 @@ class CudaPlatform(Platform):
         return True
 
     def validate(self, config) -> list[str]:
-        """CUDA-owned flags this backend has not built (piecewise prefill graphs, custom all-reduce,
-        ...) are refused by name; the graph flags work."""
-        return unbuilt_owned_flags(config, self.name, GRAPH_FLAGS)
+        """The CUDA-owned flags this backend has not built are refused through its descriptor
+        (`Backend.unsupported`); nothing else to refuse here."""
+        return []

@@ -1,5 +1,5 @@
-"""The Cambricon MLU platform over torch_mlu (torch.mlu). The MLU-owned flag kv_cache_dtype
-(int8 KV cache) is not built yet, so it is refused at launch."""
+"""The Cambricon MLU platform over torch_mlu (torch.mlu). xLLM's int8 KV cache on MLU
+(`--kv_cache_dtype=int8`) is not built yet: the descriptor refuses it at launch."""
 from __future__ import annotations
 
 from heterollm.model_executor.device_backend import ExtensionPlatform

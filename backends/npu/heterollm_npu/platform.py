@@ -2,7 +2,7 @@
 all its vendor allows before a device is used."""
 from __future__ import annotations
 
-from heterollm.model_executor.device_backend import GRAPH_FLAGS, ExtensionPlatform
+from heterollm.model_executor.device_backend import ExtensionPlatform
 
 
 class NpuPlatform(ExtensionPlatform):
@@ -11,6 +11,3 @@ class NpuPlatform(ExtensionPlatform):
     dist_backend = "hccl"
     default_impl = "npu"
     extension = "torch_npu"
-    built = GRAPH_FLAGS | {"npu_kernel_backend"}
-    """npu_kernel_backend: AUTO and TORCH both run the torch kernels, the only ones here; every other
-    NPU-owned flag is refused at launch until it is built."""

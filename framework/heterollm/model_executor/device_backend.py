@@ -1,6 +1,6 @@
 """Helpers for device backends whose vendor library is a torch extension (torch_npu, torch_mlu):
-probing it, a Platform over its `torch.<device>` module, and refusing the flags a platform owns
-but has not built yet."""
+probing it, and a Platform over its `torch.<device>` module. (The flags a backend owns but has not
+built are refused through its descriptor's `Backend.unsupported`.)"""
 from __future__ import annotations
 
 import importlib
@@ -27,38 +27,15 @@ def probe_extension(module: str, device_attr: str) -> tuple[Any | None, str]:
     return mod, ""
 
 
-GRAPH_FLAGS = frozenset({"enable_graph", "enable_graph_mode_decode_no_padding", "max_tokens_for_graph_mode"})
-"""Flags the core's device-graph runner (model_executor/graph_capture.py) implements."""
-
-
-def unbuilt_owned_flags(config: Any, platform: str, built: frozenset[str] = frozenset()) -> list[str]:
-    """One line per flag the support table gives to `platform` that is set but not built here."""
-    from heterollm.config.schema import FLAG_SPECS
-    from heterollm.config.support import RULES
-
-    values = config.flat()
-    problems = []
-    for name, rule in RULES.items():
-        if platform not in rule.platforms or name in built:
-            continue
-        default = FLAG_SPECS[name].field.get_default(call_default_factory=True)
-        if values[name] != default:
-            problems.append(f"--{name}={values[name]}: owned by the {platform} platform but not implemented by "
-                            f"heterollm-{platform} yet")
-    return problems
-
-
 class ExtensionPlatform(Platform):
     """A Platform whose device module (`torch.npu`, `torch.mlu`) comes from a torch extension
-    package. Subclasses set the Platform names plus `extension` (the package) and `built` (the
-    platform-owned flags they implement).
+    package. Subclasses set the Platform names plus `extension` (the package).
 
     bfloat16 is what the device module's `is_bf16_supported()` says (Cambricon's MLU370, for one,
     has none); a module that cannot say is taken not to have it, so `--dtype auto` avoids it and an
     explicit `--dtype bfloat16` is refused at launch rather than failing in a kernel."""
 
     extension: ClassVar[str]
-    built: ClassVar[frozenset[str]] = GRAPH_FLAGS
 
     def _probe(self) -> tuple[Any | None, str]:
         return probe_extension(self.extension, self.device_type)
@@ -99,7 +76,7 @@ class ExtensionPlatform(Platform):
         return bool(ask()) if callable(ask) else False
 
     def validate(self, config: Any) -> list[str]:
-        problems = unbuilt_owned_flags(config, self.name, self.built)
+        problems = []
         if config.device.dtype == "bfloat16" and self.is_available() and not self.supports_dtype("bfloat16"):
             problems.append(f"--dtype=bfloat16: this {self.name.upper()} device has no bfloat16 "
                             f"(torch.{self.device_type}.is_bf16_supported() is not true); use float16")

@@ -161,7 +161,8 @@ def _owned_flag_problems(config: HeterollmConfig, backends: Sequence[str], platf
     return problems
 
 
-def _unsupported_problems(config: HeterollmConfig, registry: Registry, backends: Sequence[str]) -> list[str]:
+def unsupported_flags(config: HeterollmConfig, registry: Registry, backends: Sequence[str]) -> list[str]:
+    """Flags set to a value one of `backends` (Backend.name) declares it cannot serve, one line each."""
     values = config.flat()
     specs = current_schema().specs
     problems = []
@@ -208,7 +209,7 @@ def resolve(config: HeterollmConfig, registry: Registry | None = None,
     reasons += platform.validate(config)
     for group, entry in components.items():
         reasons += [f"{group} {entry.name}: {r}" for r in entry.obj.validate(config)]
-    reasons += _unsupported_problems(config, registry, backends)
+    reasons += unsupported_flags(config, registry, backends)
     reasons += _owned_flag_problems(config, backends, platform.name)
     reasons += check_support(config)
     reasons += check_flag_combinations(config)
