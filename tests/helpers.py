@@ -12,6 +12,7 @@ FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),  # README: without sliding window
 }
 
 

@@ -54,3 +54,36 @@ def test_unwritable_cache_is_skipped(tmp_path, monkeypatch):
     monkeypatch.setenv("HETEROLLM_CACHE_DIR", str(blocker))
     cfg = gguf_cache.load_config(smollm2_gguf())
     assert cfg.num_hidden_layers == 30
+
+
+def test_metadata_cache_is_invalidated_when_the_file_changes(tmp_path, monkeypatch):
+    """The cache is keyed by the file's path, size and modification time (README): a cached entry
+    is used as long as they hold, and a touched or moved file is converted afresh."""
+    import os
+    import shutil
+
+    monkeypatch.setenv("HETEROLLM_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "a" / "model.gguf"
+    path.parent.mkdir()
+    shutil.copy2(smollm2_gguf(), path)
+    assert gguf_cache.load_config(path).num_hidden_layers == 30  # SmolLM2-135M
+    folder = gguf_cache.cache_folder(path)
+    # mark the cached entry: while the key holds, the mark is what comes back
+    cfg = (folder / "config.json").read_text().replace('"num_hidden_layers": 30', '"num_hidden_layers": 3')
+    (folder / "config.json").write_text(cfg)
+    assert gguf_cache.load_config(path).num_hidden_layers == 3, "an unchanged file is read from the cache"
+
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    assert gguf_cache.cache_folder(path) != folder
+    assert gguf_cache.load_config(path).num_hidden_layers == 30, "a touched file is converted again"
+
+    moved = tmp_path / "b" / "model.gguf"
+    moved.parent.mkdir()
+    shutil.copy2(path, moved)
+    assert gguf_cache.cache_folder(moved) != gguf_cache.cache_folder(path)
+
+    with open(path, "ab") as f:  # same path and mtime, another size
+        f.write(b"\0" * 32)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    assert gguf_cache.cache_folder(path) not in (folder, gguf_cache.cache_folder(moved))

@@ -1,0 +1,66 @@
+"""--dtype auto (README "Models"): the checkpoint's dtype, bf16 for a GGUF, replaced by bf16 or fp32
+where the platform lacks native support. Expected values are the README's rule, case by case."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from heterollm.model_executor.runner import resolve_dtype
+
+
+class FakePlatform:
+    """A platform with native support for exactly `native` (fp32 always)."""
+
+    def __init__(self, *native: str) -> None:
+        self.native = {"float32", *native}
+
+    def supports_dtype(self, dtype: str) -> bool:
+        return dtype in self.native
+
+
+def hf(dtype: torch.dtype | None) -> SimpleNamespace:
+    return SimpleNamespace(dtype=dtype)
+
+
+@pytest.mark.parametrize("declared,gguf,native,want", [
+    (torch.bfloat16, False, ("bfloat16",), torch.bfloat16),
+    (torch.bfloat16, False, (), torch.float32),                       # no native bf16: fp32
+    (torch.float16, False, ("float16", "bfloat16"), torch.float16),
+    (torch.float16, False, ("bfloat16",), torch.bfloat16),             # no fp16: bf16 ...
+    (torch.float16, False, (), torch.float32),                         # ... or fp32
+    (torch.float32, False, ("bfloat16", "float16"), torch.float32),    # the checkpoint's own dtype
+    (None, False, ("bfloat16",), torch.float32),                       # none declared: fp32
+    (torch.float32, True, ("bfloat16",), torch.bfloat16),              # a GGUF is served in bf16 ...
+    (torch.float32, True, (), torch.float32),                          # ... unless the platform lacks it
+])
+def test_auto_follows_the_checkpoint_and_the_platform(declared, gguf, native, want):
+    assert resolve_dtype("auto", hf(declared), FakePlatform(*native), gguf) == want
+
+
+def test_an_explicit_dtype_is_kept_even_without_native_support():
+    assert resolve_dtype("bfloat16", hf(torch.float32), FakePlatform(), False) == torch.bfloat16
+
+
+def test_the_engine_runs_the_resolved_dtype(tmp_path):
+    """End to end on this machine's CPU platform: a bf16 checkpoint runs in bf16 where the CPU has
+    native bf16, else in fp32."""
+    from helpers import build_tiny_model
+    from heterollm import LLM, SamplingParams
+
+    import json
+
+    folder = build_tiny_model(tmp_path / "m", "llama")
+    config = json.loads((folder / "config.json").read_text())
+    config["dtype"] = config["torch_dtype"] = "bfloat16"  # declared bf16, as most hub checkpoints are
+    (folder / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(folder), dtype="auto", num_gpu_blocks_override=32, max_model_len=64)
+    try:
+        native = llm.engine.selection.platform.supports_dtype("bfloat16")
+        assert llm.engine.dtype == (torch.bfloat16 if native else torch.float32)
+        assert llm.engine.executor.runner.dtype == llm.engine.dtype
+        [out] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        assert len(out.outputs[0].token_ids) == 2
+    finally:
+        llm.shutdown()
