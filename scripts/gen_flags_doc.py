@@ -8,8 +8,9 @@ from pathlib import Path
 
 from heterollm.config.base import flag_aliases, flag_choices
 from heterollm.config.cache import KV_EVENTS_REFUSED, KVEventsConfig
-from heterollm.config.schema import CONFIG_GROUPS
+from heterollm.config.schema import CORE_GROUPS, current_schema
 from heterollm.config.support import RULES
+from heterollm.plugins import get_registry
 
 TARGET = Path(__file__).resolve().parent.parent / "docs" / "flags.md"
 
@@ -46,30 +47,63 @@ def _range(info) -> str:
     return ", ".join(parts)
 
 
+def _statuses() -> dict[str, str]:
+    """flag -> where it does not work: the core's table, then each installed backend's refusals."""
+    status = {name: rule.reason for name, rule in RULES.items()}
+    for info in sorted(get_registry().backends, key=lambda b: b.name):  # stable whatever the install order
+        if info.backend is None:
+            continue
+        for flag, reason in info.backend.unsupported.items():
+            prefix = status.get(flag, "")
+            status[flag] = f"{prefix}; " if prefix else ""
+            status[flag] += f"{info.name}: {reason}"
+    return status
+
+
+def _group_table(group: str, cls, status: dict[str, str]) -> list[str]:
+    title = (cls.__doc__ or group).strip().splitlines()[0]
+    out = [f"### {group}: {title}", "", "| flag | type | default | range | aliases | status | description |",
+           "|---|---|---|---|---|---|---|"]
+    for name, info in cls.model_fields.items():
+        aliases = ", ".join(f"`--{a}`" for a in flag_aliases(info))
+        desc = (info.description or "").replace("|", "\\|").replace("\n", " ")
+        out.append(f"| `--{name}` | {_type_name(info)} | `{_default(info)}` | {_range(info)} | {aliases} | "
+                   f"{status.get(name, '')} | {desc} |")
+    return out + [""]
+
+
 def render() -> str:
     out = ["# heterollm launch flags", "",
-           "Generated from `framework/heterollm/config` by `python scripts/gen_flags_doc.py`; do not edit by hand.",
+           "Generated from `framework/heterollm/config` and the installed backends' descriptors by "
+           "`python scripts/gen_flags_doc.py` (with every wheel of this repository installed, as "
+           "`scripts/setup.sh` does); do not edit by hand.",
            "", "Spelling: `--flag=value` or `--flag value`; booleans as `--flag`, `--flag=true|false` or "
            "`--noflag`; dashes and underscores are the same. Precedence per flag: command line > "
            "`--config_json_file` > default. Descriptions of xLLM flags are the spec's own (xLLM documents "
            "them in Chinese).", "",
-           "**Status** says where a flag works. Empty: works on every platform. Otherwise a non-default "
-           "value fails at launch with the reason shown (hardware-specific, or a feature a later issue builds).",
-           ""]
-    for group, cls in CONFIG_GROUPS.items():
-        title = (cls.__doc__ or group).strip().splitlines()[0]
-        out += [f"## {group}: {title}", "", "| flag | type | default | range | aliases | status | description |",
-                "|---|---|---|---|---|---|---|"]
-        for name, info in cls.model_fields.items():
-            rule = RULES.get(name)
-            status = ""
-            if rule:
-                status = rule.reason + (f" ({', '.join(sorted(rule.platforms))})" if rule.platforms else "")
-            aliases = ", ".join(f"`--{a}`" for a in flag_aliases(info))
-            desc = (info.description or "").replace("|", "\\|").replace("\n", " ")
-            out.append(f"| `--{name}` | {_type_name(info)} | `{_default(info)}` | {_range(info)} | {aliases} | "
-                       f"{status} | {desc} |")
-        out.append("")
+           "**Status** says where a flag does not work. Empty: it works wherever its section says. Otherwise "
+           "a non-default value fails at launch with the reason shown: the core's (a feature a later issue "
+           "builds, DiT or multimodal models), or a backend's (`name: reason`, when that backend is selected).",
+           "", "## Core flags", "",
+           "Every installation has these.", ""]
+    status = _statuses()
+    for group, cls in CORE_GROUPS.items():
+        out += _group_table(group, cls, status)
+    schema = current_schema()
+    by_owner: dict[str, list[str]] = {}
+    for group in schema.groups:
+        if group not in CORE_GROUPS:
+            spec = next(iter(schema.specs[n] for n in schema.groups[group].model_fields))
+            by_owner.setdefault(spec.owner, []).append(group)
+    for owner, groups in sorted(by_owner.items()):
+        backend = schema.specs[next(iter(schema.groups[groups[0]].model_fields))].backend
+        out += [f"## Backend {backend} ({owner})", "",
+                f"Present when `{owner}` is installed, and usable only when a launch selects that backend "
+                f"(`--device {backend}`, or `--extension_impl {backend}` where it provides a component); "
+                f"otherwise a non-default value is refused naming `{owner}`. Without the wheel, setting one "
+                f"fails with \"belongs to {owner}, which is not installed\".", ""]
+        for group in groups:
+            out += _group_table(group, schema.groups[group], status)
     return "\n".join(out + _kv_events_fields())
 
 
