@@ -38,6 +38,8 @@ def test_detector_allows_what_pytorch_allows():
         x = dev.place(torch.arange(4.0))
         assert (x * torch.tensor(2.0)).tolist() == [0.0, 2.0, 4.0, 6.0]  # a 0-dim CPU tensor is a scalar
         assert x[torch.tensor([1, 3])].tolist() == [1.0, 3.0]  # CPU indices are moved by PyTorch
+        x.copy_(torch.ones(4))  # a copy between devices
+        assert x.tolist() == [1.0] * 4
 
 
 def test_detector_without_a_fake_device_checks_real_devices():

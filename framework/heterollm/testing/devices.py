@@ -18,8 +18,9 @@ API
 
 Inside the detector, every op checks the devices of all its tensor operands (arguments, lists of
 arguments, keyword arguments): a placed tensor counts as the fake device, any other tensor as
-its own device. Zero-dimensional CPU tensors are exempt, as PyTorch itself lets them mix as
-scalars. Two different devices among the rest raise `DeviceMixingError` naming the op.
+its own device. CPU tensors PyTorch itself lets mix are exempt: zero-dimensional ones (scalars),
+the indices of advanced indexing (`t[cpu_index]`) and the source of `copy_`. Two different devices
+among the rest raise `DeviceMixingError` naming the op.
 
 Tensors are created on the fake device the ways device code creates them: a factory with
 `device=` the fake device (`torch.tensor`, `torch.full`, `torch.zeros`, ...), `.to(fake)`, and
@@ -167,7 +168,10 @@ _INDEX_OPS = (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, tor
 
 
 def _cpu_indices(func: object, args: tuple) -> frozenset[int]:
-    """Ids of the index tensors of an advanced-indexing op: PyTorch moves CPU indices itself."""
+    """Ids of the operands PyTorch lets sit on the CPU: the index tensors of an advanced-indexing
+    op (it moves them itself) and the source of `copy_` (a copy between devices)."""
+    if func is torch.ops.aten.copy_.default and len(args) >= 2:
+        return frozenset({id(args[1])})
     if func not in _INDEX_OPS or len(args) < 2:
         return frozenset()
     return frozenset(id(t) for t in args[1] if isinstance(t, torch.Tensor))
