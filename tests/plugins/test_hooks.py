@@ -131,7 +131,7 @@ def test_plugin_with_bad_hook_is_skipped(fake_dists):
 
 def test_every_hookspec_is_called_by_the_core():
     """A hookspec nobody calls is a broken promise to plugin authors: each name must appear in a
-    core module other than the one declaring it (register_models: the model registry)."""
+    core module other than the one declaring it."""
     from pathlib import Path
 
     import heterollm

@@ -1,21 +1,20 @@
 """pluggy hookspecs for general plugins (entry-point group `heterollm.plugins`).
 
-A general plugin is any object (usually a module) with functions marked `@hookimpl`. It can add
-model architectures and observe or refuse requests, without patching the core. Every hookspec
-here is called by the core: the engine builds one plugin manager when it starts and calls the
-request hooks on every request it admits and finishes.
+A general plugin is any object (usually a module) with functions marked `@hookimpl`. It observes
+or refuses requests without patching the core. Every hookspec here is called by the core: the
+engine builds one plugin manager when it starts and calls the request hooks on every request it
+admits and finishes. (Model architectures come from backend descriptors' `models`, one mechanism.)
 
     from heterollm.plugins import hookimpl
 
     @hookimpl
-    def heterollm_register_models(register):
-        register("MyForCausalLM", "my_pkg.model:MyForCausalLM")
+    def heterollm_on_request(request_id, prompt_token_ids, sampling):
+        return "prompt too long" if len(prompt_token_ids) > 4096 else None
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pluggy
 
@@ -33,10 +32,6 @@ logger = logging.getLogger("heterollm.plugins")
 
 class HeterollmHookSpec:
     """The hooks the core calls. All are optional for a plugin."""
-
-    @hookspec
-    def heterollm_register_models(self, register: Callable[[str, Any], None]) -> None:
-        """Register model architectures: `register(architecture, cls_or_"module:attr")`."""
 
     @hookspec
     def heterollm_on_request(self, request_id: str, prompt_token_ids: list[int],
