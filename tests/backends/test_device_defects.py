@@ -80,6 +80,22 @@ def test_rotary_tables_are_built_on_the_model_device(name):
     assert host.cos.device.type == "cpu" and host.cos.dtype == torch.float32
 
 
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_a_whole_model_with_scaled_rope_builds_on_the_device(arch):
+    """As the runner builds it: under `with torch.device(device)`; every parameter and buffer there."""
+    from transformers import LlamaConfig
+
+    from heterollm.model_executor.models import llama
+    from heterollm.model_executor.parallel import ParallelContext
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      head_dim=16, rope_parameters=dict(ROPE["llama3"]))
+    with torch.device("meta"):
+        model = getattr(llama, arch)(cfg, ParallelContext(), 256)
+    tensors = [*model.parameters(), *model.buffers()]
+    assert tensors and {t.device.type for t in tensors} == {"meta"}
+
+
 # -- a vendor device module, faked -----------------------------------------------------------------
 class FakeDeviceModule:
     """What `torch.npu` / `torch.mlu` offer a platform: two devices, the second one current."""
