@@ -111,7 +111,7 @@ def _comm_worker(rank: int, world: int, port: int, batch: int, q) -> None:
 def sample_batch(batch: int):
     """A decode step's SchedulerOutput as the engine builds it: `batch` requests with 64 prompt and
     64 generated tokens each."""
-    from heterollm.engine.request import Request
+    from heterollm.scheduler.request import Request
     from heterollm.interfaces import ScheduledRequest, SchedulerOutput
     from heterollm.sampling import SamplingParams
 

@@ -9,7 +9,7 @@ import pytest
 from helpers import build_tiny_model
 from heterollm import LLM, SamplingParams
 from heterollm.config import ConfigError
-from heterollm.engine.request import RequestRejected
+from heterollm.scheduler.request import RequestRejected
 from heterollm.tokenizer import IncrementalDetokenizer
 
 

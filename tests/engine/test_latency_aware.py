@@ -10,7 +10,7 @@ from helpers import build_tiny_model
 from heterollm import LLM, SamplingParams
 from heterollm.config import load_config
 from heterollm.config.checks import check_flag_combinations
-from heterollm.engine.request import Request
+from heterollm.scheduler.request import Request
 from heterollm.interfaces import RunnerOutput
 from heterollm.kv_cache import KVCacheManager
 from heterollm.scheduler import Scheduler

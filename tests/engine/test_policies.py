@@ -7,7 +7,7 @@ from helpers import build_tiny_model
 
 from heterollm.config import load_config
 from heterollm.config.checks import check_flag_combinations
-from heterollm.engine.request import Request
+from heterollm.scheduler.request import Request
 from heterollm.interfaces import RunnerOutput
 from heterollm.kv_cache import KVCacheManager
 from heterollm.sampling import SamplingParams
@@ -170,7 +170,7 @@ def test_fcfs_refuses_starvation_knobs_and_the_engine_refuses_priorities(tiny_ll
     assert check_flag_combinations(load_config([], overrides={"model": "x", "starve_threshold": 2.0,
                                                               "priority_strategy": "priority"}).config) == []
     from heterollm.engine.llm_engine import LLMEngine
-    from heterollm.engine.request import RequestRejected
+    from heterollm.scheduler.request import RequestRejected
 
     engine = LLMEngine(load_config([], overrides={"model": str(tiny_llama), "max_cache_size": 2**22}).config)
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from heterollm.config import load_config
-from heterollm.engine.request import Request, RequestRejected
+from heterollm.scheduler.request import Request, RequestRejected
 from heterollm.interfaces import RunnerOutput
 from heterollm.kv_cache import KVCacheManager
 from heterollm.sampling import SamplingParams

@@ -18,7 +18,7 @@ from typing import Any
 
 from heterollm.engine.llm_engine import LLMEngine
 from heterollm.engine.outputs import RequestOutput
-from heterollm.engine.request import RequestRejected
+from heterollm.scheduler.request import RequestRejected
 from heterollm.interfaces import ExecutorDead
 from heterollm.sampling import SamplingParams
 

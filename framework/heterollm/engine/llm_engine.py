@@ -15,7 +15,7 @@ from typing import Any
 
 from heterollm.config import HeterollmConfig
 from heterollm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from heterollm.engine.request import Request, RequestRejected
+from heterollm.scheduler.request import Request, RequestRejected
 from heterollm.engine.step_profiler import StepProfiler
 from heterollm.interfaces import RunnerOutput, SchedulerOutput
 from heterollm.kv_cache import KVCacheManager

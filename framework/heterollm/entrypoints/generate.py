@@ -55,7 +55,7 @@ def _sampling(extra: dict, defaults: dict):
 
 def run_generate(loaded: LoadedConfig) -> int:
     from heterollm.engine.llm_engine import LLMEngine
-    from heterollm.engine.request import RequestRejected
+    from heterollm.scheduler.request import RequestRejected
 
     extra = loaded.extra
     if not extra["prompt"]:

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 from heterollm.config.base import INT32_MAX
 from heterollm.config.scheduling import SchedulerConfig
-from heterollm.engine.request import Request
+from heterollm.scheduler.request import Request
 
 DEFAULT_REFERENCE_S = 10.0
 """Starvation reference time of a request with no TTFT target and no --max_global_ttft_ms."""

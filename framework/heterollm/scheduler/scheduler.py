@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from heterollm.config.scheduling import SchedulerConfig
-from heterollm.engine.request import Request, RequestRejected, RequestStatus
+from heterollm.scheduler.request import Request, RequestRejected, RequestStatus
 from heterollm.interfaces import RunnerOutput, ScheduledRequest, SchedulerOutput
 from heterollm.kv_cache import KVCacheManager
 from heterollm.scheduler.latency import LatencyTargets

@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from heterollm.engine.async_engine import AsyncEngine, EngineError, RequestStream
 from heterollm.engine.llm_engine import LLMEngine
 from heterollm.engine.outputs import RequestOutput
-from heterollm.engine.request import RequestRejected
+from heterollm.scheduler.request import RequestRejected
 from heterollm.entrypoints.openai.metrics import ServerMetrics
 from heterollm.entrypoints.openai.protocol import (
     MAX_N, BadRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, check_messages,

@@ -1,4 +1,5 @@
-"""A request's state as it moves through the scheduler and the output processor."""
+"""A request's state as it moves through the scheduler and the output processor. It sits below the
+scheduler (which imports nothing from the engine); the engine builds and reads it."""
 from __future__ import annotations
 
 import enum
