@@ -87,22 +87,25 @@ def test_flags_without_an_equivalent_fail_fast(cli, long_model, flag):
     assert r.rc == 2 and flag in r.err and "Traceback" not in r.err
 
 
-def test_serve_leaves_a_core_for_the_http_loop(monkeypatch):
+def test_the_cpu_platform_leaves_a_core_for_the_http_loop(monkeypatch):
+    """The CPU thread policy is the CPU backend's (Platform.configure_threads), not the server's."""
     import torch
-
-    from heterollm.entrypoints.serve import leave_a_core_for_the_server
+    from heterollm_cpu.platform import CpuPlatform
 
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
         monkeypatch.setenv("OMP_NUM_THREADS", "2")
-        leave_a_core_for_the_server()
+        CpuPlatform().configure_threads(1, keep_for_server=1)
         assert torch.get_num_threads() == 2  # the user's choice stands
         monkeypatch.delenv("OMP_NUM_THREADS")
-        leave_a_core_for_the_server()
+        CpuPlatform().configure_threads(1, keep_for_server=1)
         assert torch.get_num_threads() == 1
-        leave_a_core_for_the_server()
+        CpuPlatform().configure_threads(1, keep_for_server=1)
         assert torch.get_num_threads() == 1  # never below one
+        torch.set_num_threads(4)
+        CpuPlatform().configure_threads(2)  # two tensor-parallel ranks on 4 cores, no server
+        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
 

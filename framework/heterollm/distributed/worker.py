@@ -49,13 +49,6 @@ def wait_for_master(address: str, attempts: int, world_size: int) -> None:
             time.sleep(0.5)
 
 
-def _threads(local_ranks: int) -> None:
-    import torch
-
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
-
-
 def local_rank(config: Any, rank: int) -> int:
     """This rank's index among its node's ranks: LOCAL_RANK when a launcher (torchrun) set it, else
     its position in the node's share of --tp_size (see executor.local_ranks)."""
@@ -89,8 +82,7 @@ def worker_main(config: Any, rank: int, world_size: int, address: str, max_model
     """The process entry point (spawned). `conn` is the engine's pipe on rank 0, else None."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     try:
-        _threads(local_ranks)
-        executor, ctrl = _build(config, rank, world_size, address, max_model_len)
+        executor, ctrl = _build(config, rank, world_size, address, max_model_len, local_ranks)
     except BaseException as exc:  # report why this rank could not start, then leave
         logger.error("rank %d failed to start: %s", rank, exc)
         if conn is not None:
@@ -101,21 +93,24 @@ def worker_main(config: Any, rank: int, world_size: int, address: str, max_model
     _serve(executor, ctrl, rank, conn)
 
 
-def _build(config: Any, rank: int, world_size: int, address: str, max_model_len: int) -> tuple[Any, Any]:
+def _build(config: Any, rank: int, world_size: int, address: str, max_model_len: int,
+           local_ranks: int) -> tuple[Any, Any]:
     import torch.distributed as dist
 
-    from heterollm.entrypoints.launch import launch_selection
+    from heterollm.plugins.launch import launch_selection
     from heterollm.model_executor.loader import resolve_model
     from heterollm.model_executor.runner import LaunchContext
 
-    selection = launch_selection(config)
+    source = resolve_model(config.model.model)
+    selection = launch_selection(config, lambda: source.architectures)
+    selection.platform.configure_threads(local_ranks)  # the node's ranks share its host cores
     _bind(selection.platform, config, rank)
     if rank != 0:
         wait_for_master(address, config.server.max_reconnect_count, world_size)
     communicator = selection.component("communicators")(rank, world_size, address,
                                                         device=collective_device(selection.platform))
     ctrl = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-    launch = LaunchContext(config, selection, resolve_model(config.model.model), max_model_len,
+    launch = LaunchContext(config, selection, source, max_model_len,
                            rank=rank, world_size=world_size, communicator=communicator)
     return selection.component("executors")(launch), ctrl
 

@@ -20,9 +20,10 @@ from heterollm.engine.step_profiler import StepProfiler
 from heterollm.interfaces import RunnerOutput, SchedulerOutput
 from heterollm.kv_cache import KVCacheManager
 from heterollm.kv_cache.events import make_kv_event_publisher
-from heterollm.model_executor.loader import resolve_model
+from heterollm.model_executor.loader import ModelSource, resolve_model
 from heterollm.model_executor.runner import LaunchContext, model_max_len, resolve_dtype
 from heterollm.plugins import make_plugin_manager
+from heterollm.plugins.launch import launch_selection
 from heterollm.sampling import SamplingParams
 from heterollm.scheduler import Scheduler
 from heterollm.engine.latency_profile import latency_targets, profile_step_time
@@ -60,14 +61,11 @@ class LLMEngine:
     def __init__(self, config: HeterollmConfig, dp_rank: int = 0) -> None:
         """`dp_rank`: which of the --dp_size replicas behind one server this engine is (its KV
         events go to the base ports + dp_rank)."""
-        from heterollm.entrypoints.launch import launch_selection
-
         self.config = config
         self.dp_rank = dp_rank
-        self.selection = launch_selection(config)
+        self.selection = launch_selection(config, lambda: self._resolve_model().architectures)
         self.plugins = make_plugin_manager()
         """The general plugins' request hooks (`heterollm.plugins`), built once per engine."""
-        self.source = resolve_model(config.model.model)
         self.dtype = resolve_dtype(config.device.dtype, self.source.hf_config, self.selection.platform,
                                    self.source.gguf_file is not None)
         """The weight/activation dtype `--dtype` resolves to (the runner resolves it identically)."""
@@ -75,16 +73,17 @@ class LLMEngine:
         max_len = model_max_len(config, hf)
         if config.execution.random_seed >= 0:
             self.selection.platform.seed(config.execution.random_seed)
-        executor_cls = self.selection.component("executors")
-        if config.parallel.tp_size > 1:  # one process per rank, each running the backend's executor
-            from heterollm.distributed.executor import MultiprocExecutor
-            executor_cls = MultiprocExecutor
-        self.executor = executor_cls(LaunchContext(config, self.selection, self.source, max_len))
+        launch = LaunchContext(config, self.selection, self.source, max_len)
+        self.executor = self.selection.component("executors").create(launch)
         try:
             self._start(config, max_len, dp_rank)
         except BaseException:  # a half-built engine must not leave worker processes behind
             self.executor.shutdown()
             raise
+
+    def _resolve_model(self) -> ModelSource:
+        self.source = resolve_model(self.config.model.model)
+        return self.source
 
     def _start(self, config: HeterollmConfig, max_len: int, dp_rank: int) -> None:
         """Load the weights, size and allocate the KV cache, and build the scheduler around it."""

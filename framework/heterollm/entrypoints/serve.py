@@ -66,20 +66,6 @@ def _graceful_server_class():
     return GracefulServer
 
 
-def leave_a_core_for_the_server(replicas: int = 1) -> None:
-    """The HTTP event loop shares the process with the engine thread. With torch's intra-op pool on
-    every core, each request the loop handles preempts a pool thread and every op of the step
-    waits for it (measured on 2 cores with vLLM's client at concurrency 4: TPOT 103 ms with 2
-    threads, 49 ms with 1). So the server keeps one core for itself, as vLLM's CPU server does,
-    unless OMP_NUM_THREADS says otherwise."""
-    import torch
-
-    if envs.omp_num_threads() is None and torch.get_num_threads() > 1:
-        torch.set_num_threads(max(1, (torch.get_num_threads() - 1) // replicas))
-        logger.info("torch threads: %d (one core left to the HTTP server; set OMP_NUM_THREADS to override)",
-                    torch.get_num_threads())
-
-
 def _replicas(cfg, dp: int) -> list:
     """The --dp_size engines (each validates the launch and loads with every core); if one fails,
     the ones already built are shut down (their worker processes with them)."""
@@ -103,8 +89,8 @@ def run_serve(loaded: LoadedConfig) -> int:
     import uvicorn
     from prometheus_client import start_http_server
 
-    from heterollm.engine.llm_engine import LLMEngine
     from heterollm.entrypoints.openai.server import OpenAIServer
+    from heterollm.plugins import resolve
 
     cfg = loaded.config
     host = cfg.server.host or "0.0.0.0"
@@ -118,12 +104,13 @@ def run_serve(loaded: LoadedConfig) -> int:
         _check_port(host, metrics_port, "metrics_port")
     settings = server_settings(loaded)
     dp = cfg.parallel.dp_size
+    platform = resolve(cfg).platform  # the launch checks, once more in each engine (cheap)
     if cfg.execution.enable_graph:  # a compiled step is specialized on the thread count: compile with the serving one
-        leave_a_core_for_the_server(dp)
+        platform.configure_threads(dp, keep_for_server=1)
         engines = _replicas(cfg, dp)
-    else:  # load with every core, then leave one
+    else:  # load with every core, then leave one to the HTTP server
         engines = _replicas(cfg, dp)
-        leave_a_core_for_the_server(dp)
+        platform.configure_threads(dp, keep_for_server=1)
     server = OpenAIServer(engines, settings)
     if metrics_port is not None:
         start_http_server(metrics_port, addr=host, registry=server.metrics.registry)

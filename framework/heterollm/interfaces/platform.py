@@ -58,6 +58,12 @@ class Platform(ABC):
         """Seed the host's and the device's random generators (called in every process that samples:
         the engine's and each tensor-parallel rank's, with the same --random_seed)."""
 
+    def configure_threads(self, num_workers: int, keep_for_server: int = 0) -> None:
+        """Size this process's host thread pools, called once per process before the model loads:
+        `num_workers` engine workers (tensor-parallel ranks, data-parallel replicas) share the host,
+        and `keep_for_server` cores stay free for an HTTP server in this process. Optional: the
+        default leaves them alone (a device backend's host threads only launch kernels)."""
+
     def supports_dtype(self, dtype: str) -> bool:
         """Whether `dtype` ("float32", "bfloat16", "float16") runs natively here; `--dtype auto`
         avoids the ones that do not. Optional: the default says yes to all."""
