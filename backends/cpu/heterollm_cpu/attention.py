@@ -73,7 +73,6 @@ class CpuAttentionMetadata(AttentionMetadata):
 
 
 class CpuPagedAttention(AttentionBackend):
-    platforms = ("cpu",)
 
     @classmethod
     def validate(cls, config) -> list[str]:

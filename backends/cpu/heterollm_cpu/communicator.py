@@ -5,5 +5,4 @@ from heterollm.distributed.communicator import TorchDistributedCommunicator
 
 
 class GlooCommunicator(TorchDistributedCommunicator):
-    platforms = ("cpu",)
     backend = "gloo"

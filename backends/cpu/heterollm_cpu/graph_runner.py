@@ -25,7 +25,6 @@ logger = logging.getLogger("heterollm.cpu.graph")
 
 
 class CpuGraphRunner(GraphRunner):
-    platforms = ("cpu",)
 
     @classmethod
     def validate(cls, config) -> list[str]:

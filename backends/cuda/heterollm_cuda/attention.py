@@ -6,4 +6,4 @@ from heterollm.model_executor.paged_attention import TorchPagedAttention
 
 
 class CudaPagedAttention(TorchPagedAttention):
-    platforms = ("cuda",)
+    """The core's torch paged attention on CUDA tensors (the varlen kernel is the next step)."""

@@ -5,5 +5,4 @@ from heterollm.distributed.communicator import TorchDistributedCommunicator
 
 
 class NcclCommunicator(TorchDistributedCommunicator):
-    platforms = ("cuda",)
     backend = "nccl"

@@ -7,7 +7,6 @@ from heterollm.model_executor.graph_capture import DeviceGraphRunner, GraphOps, 
 
 
 class CudaGraphRunner(DeviceGraphRunner):
-    platforms = ("cuda",)
 
     def make_ops(self) -> GraphOps:
         return StreamGraphOps(torch.cuda, "CUDAGraph")

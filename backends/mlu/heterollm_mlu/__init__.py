@@ -9,7 +9,7 @@ BACKEND = Backend(
     api_version=">=2.0,<3",
     platform="heterollm_mlu.platform:MluPlatform",
     components={
-        "attention": "heterollm_mlu.components:MluPagedAttention",
+        "attention": "heterollm.model_executor.paged_attention:TorchPagedAttention",
         "graph_runners": "heterollm_mlu.components:MluGraphRunner",
         "communicators": "heterollm_mlu.components:CnclCommunicator",
         "executors": "heterollm.model_executor.executor:InProcessExecutor",

@@ -14,7 +14,7 @@ BACKEND = Backend(
     api_version=">=2.0,<3",
     platform="heterollm_npu.platform:NpuPlatform",
     components={
-        "attention": "heterollm_npu.components:NpuPagedAttention",
+        "attention": "heterollm.model_executor.paged_attention:TorchPagedAttention",
         "graph_runners": "heterollm_npu.components:AclGraphRunner",
         "communicators": "heterollm_npu.components:HcclCommunicator",
         "executors": "heterollm.model_executor.executor:InProcessExecutor",

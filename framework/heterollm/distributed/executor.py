@@ -49,7 +49,6 @@ def spawn_workers(config: Any, max_model_len: int, address: str, conn_for_rank0:
 
 
 class MultiprocExecutor(Executor):
-    platforms = ()
 
     @classmethod
     def validate(cls, config) -> list[str]:

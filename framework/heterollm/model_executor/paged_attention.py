@@ -83,7 +83,6 @@ def _plan(inputs: AttentionInputs) -> tuple[list[int], list[int], list[Prefill],
 class TorchPagedAttention(AttentionBackend):
     """Not registered itself: a backend registers a subclass."""
 
-    platforms = ()
 
     @classmethod
     def validate(cls, config) -> list[str]:

@@ -10,7 +10,6 @@ from heterollm.interfaces import AttentionBackend, AttentionInputs, AttentionMet
 
 
 class TemplateAttention(AttentionBackend):
-    platforms = ("template",)
 
     @classmethod
     def validate(cls, config) -> list[str]:

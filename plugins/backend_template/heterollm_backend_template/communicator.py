@@ -7,5 +7,4 @@ from heterollm.distributed.communicator import TorchDistributedCommunicator
 
 
 class TemplateCommunicator(TorchDistributedCommunicator):
-    platforms = ("template",)
     backend = "gloo"

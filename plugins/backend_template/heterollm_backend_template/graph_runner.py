@@ -11,7 +11,6 @@ from heterollm.interfaces import DecodeInputs, GraphRunner, StepForward, StepInp
 
 
 class TemplateGraphRunner(GraphRunner):
-    platforms = ("template",)
 
     @classmethod
     def validate(cls, config) -> list[str]:

@@ -9,7 +9,6 @@ from heterollm.interfaces import AttentionBackend, AttentionInputs, AttentionMet
 
 
 class ExampleAttention(AttentionBackend):
-    platforms = ("cpu",)
 
     @classmethod
     def validate(cls, config) -> list[str]:
