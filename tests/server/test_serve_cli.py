@@ -161,3 +161,23 @@ def test_a_dead_worker_fails_the_stream_and_serve_exits_1(long_model):
     finally:
         proc.kill()
     assert proc.returncode == 1
+
+
+def test_rpc_idle_timeout_closes_an_idle_keep_alive_connection(long_model):
+    """--rpc_idle_timeout_s 1: a keep-alive connection serves several requests, then the server
+    closes it about a second after the last one (uvicorn's own default would wait 5 s)."""
+    proc, url = _serve(long_model, "--rpc_idle_timeout_s=1")
+    try:
+        _wait_health(proc, url)
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            for _ in range(2):  # the same connection answers twice
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\n\r\n")
+                assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+            t0 = time.monotonic()
+            assert sock.recv(4096) == b"", "the server closes the idle connection"
+            idle = time.monotonic() - t0
+        assert 0.7 < idle < 4, idle
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
