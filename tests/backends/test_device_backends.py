@@ -16,7 +16,7 @@ from heterollm.interfaces import AttentionInputs, ForwardContext, StepInputs
 from heterollm.model_executor.graph_capture import DeviceGraphRunner
 from heterollm.model_executor.paged_attention import TorchPagedAttention
 from heterollm.model_executor.runner import graph_batch_sizes
-from heterollm.testing.conformance import check_paged_attention
+from heterollm.testing.conformance import check_graph_runner, check_paged_attention
 from heterollm.testing.graphs import CaptureFailed, RerunGraphOps
 
 CUDA = torch.cuda.is_available()
@@ -264,3 +264,12 @@ def test_a_failed_capture_at_start_up_serves_eagerly_with_a_warning(llama, refer
         llm.shutdown()
     assert runner.num_replays == 0 and tokens == reference[0]
     assert logprobs == pytest.approx(reference[1], abs=1e-4)
+
+
+@pytest.mark.parametrize("backend", [TorchPagedAttention(), FlatTorchAttention()], ids=["scratch", "no-scratch"])
+def test_the_kits_graph_check_passes_the_device_graph_runner(backend):
+    """The conformance kit's graph check (what a CUDA/NPU/MLU backend runs on its device), on the
+    device graph bookkeeping with re-running graph ops."""
+    runner = Runner()
+    assert check_graph_runner(backend, runner, torch.device("cpu"))
+    assert runner.ops.captures == 4 and runner.num_replays > 0

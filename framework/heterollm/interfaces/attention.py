@@ -24,7 +24,8 @@ class AttentionInputs:
     context_lens: list[int]
     """Tokens of each sequence already in the KV cache before this step."""
     block_tables: list[list[int]]
-    """Block ids of each sequence, in order; covers context_lens + query_lens slots."""
+    """Block ids of each sequence, in order: the blocks holding its first context_lens + query_lens
+    slots, no more (a block past them may hold anything, NaN included)."""
     block_size: int
 
     @property

@@ -8,7 +8,8 @@ At start-up the model runner hands over the decode batch sizes to capture (heter
 8) and a maker of decode steps whose block tables are as wide as any step's. Every bucket is
 captured then, largest first, the graphs sharing one memory pool; nothing is captured while
 serving. Inputs and attention metadata live in static buffers that each replay fills (a batch of n
-in bucket b pads rows n..b-1 onto the attention backend's scratch block). A batch with a prefill
+in bucket b pads rows n..b-1 onto the attention backend's scratch block; a table narrower than the
+buffers repeats its last block). A batch with a prefill
 chunk, or larger than the largest bucket, runs eagerly; so does a batch that would need padding
 when the backend's layout has no scratch block.
 
@@ -80,8 +81,7 @@ class _Static:
     block_tables: torch.Tensor
     """(largest bucket, widest table) block ids."""
     pad_block: int
-    """The scratch block padded rows and columns point at (0 where the layout has none, and then
-    only columns are padded)."""
+    """The scratch block padded rows point at (unused where the layout has none)."""
     can_pad_rows: bool
 
 
@@ -130,7 +130,9 @@ class DeviceGraphRunner(GraphRunner):
         self.sizes = sizes
 
     def can_replay(self, num_tokens: int, is_decode_only: bool) -> bool:
-        return is_decode_only and bool(self.sizes) and num_tokens <= self.sizes[-1]
+        if not (is_decode_only and self.sizes and num_tokens <= self.sizes[-1]):
+            return False
+        return self.static.can_pad_rows or num_tokens in self.sizes  # no scratch block: no padded rows
 
     def run(self, forward: StepForward, inputs: StepInputs) -> torch.Tensor:
         n = inputs.num_tokens
@@ -147,8 +149,7 @@ class DeviceGraphRunner(GraphRunner):
         """The captured bucket a step replays, or None to run it eagerly."""
         if not self.can_replay(n, decode_only) or table_width > self.width:
             return None
-        bucket = next(s for s in self.sizes if s >= n)
-        return bucket if bucket == n or self.static.can_pad_rows else None
+        return next(s for s in self.sizes if s >= n)
 
     @staticmethod
     def _allocate(example: StepInputs, size: int) -> _Static:
@@ -168,8 +169,10 @@ class DeviceGraphRunner(GraphRunner):
         s.positions[:n].copy_(inputs.positions)
         s.slot_mapping[:n].copy_(meta.slot_mapping)
         s.seq_lens[:n].copy_(meta.seq_lens)
-        s.block_tables[:n].fill_(s.pad_block)
-        s.block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        width = meta.block_tables.shape[1]
+        s.block_tables[:n, :width].copy_(meta.block_tables)
+        # wider than the step's tables: repeat each row's last block (written, so finite, and masked)
+        s.block_tables[:n, width:].copy_(meta.block_tables[:, width - 1:].expand(n, self.width - width))
         if bucket > n:
             s.input_ids[n:bucket].zero_()
             s.positions[n:bucket].zero_()

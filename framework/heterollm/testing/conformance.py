@@ -8,11 +8,21 @@ Checks (each names the component it exercises):
   - registration: the platform and every component resolve for the device, declare a contract
     range the core implements, and `validate` a default config without complaint;
   - attention: paged attention over mixed batches (prefill, chunked prefill over cached context,
-    decode) on shuffled block tables, against a dense reference, for several block sizes;
+    decode) on shuffled block tables of a NaN-filled cache, against a float64 dense reference, for
+    several block sizes;
+  - dtypes: every dtype the platform says it supports (`supports_dtype`) runs that attention
+    within the dtype's tolerance, and `--dtype auto` never picks one it does not support;
+  - sampler: temperature / top-k / top-p / min-p / penalties / seeded draws on logits of the
+    device build every tensor on that device (heterollm.testing.devices; on a CPU-hosted platform,
+    with the logits presented as living on another device);
   - communicator: all_reduce, all_gather, broadcast and barrier on 2 ranks (spawned processes);
-  - graph runner: `run` gives the eager result for every batch size, captured or not;
-  - executor: greedy tokens and logprobs of a tiny random llama on the backend equal the CPU
-    reference's (and transformers', when the backend is the reference itself).
+  - graph runner: captured at start-up from decode-only steps of the selected attention backend,
+    `run` gives the eager result for every batch size, and every step it says it can replay is
+    replayed (a runner that replays nothing is reported as skipped, never as passed);
+  - executor: a tiny random llama on the backend gives the CPU reference's greedy tokens and
+    logprobs (transformers' when the backend is the reference itself), with `--enable_graph` too;
+    seeded sampling repeats itself, and on a CPU-hosted platform gives the reference's tokens
+    (a device's generator draws other numbers from the same seed).
 A platform that is installed but not available here (no device) skips every check with its reason.
 """
 from __future__ import annotations
@@ -114,14 +124,19 @@ def test_paged_attention_matches_dense_reference(target, block_size):
                           block_size)
 
 
-def check_paged_attention(backend, device: torch.device, block_size: int, steps: int = 10) -> None:
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+def check_paged_attention(backend, device: torch.device, block_size: int, steps: int = 10,
+                          dtype: torch.dtype = torch.float32) -> None:
     """Mixed steps (prefill, chunked prefill over cached context, decode; decode-only steps too) on
-    shuffled block tables of a NaN-filled cache, each output against the dense reference."""
+    shuffled block tables of a NaN-filled cache of `dtype`, each output against the dense reference."""
     from heterollm.interfaces import AttentionInputs
 
     rng, gen = random.Random(block_size), torch.Generator().manual_seed(block_size)
     num_blocks = 160
-    cache = torch.full(backend.kv_cache_shape(num_blocks, block_size, KV, D), float("nan"), device=device)
+    cache = torch.full(backend.kv_cache_shape(num_blocks, block_size, KV, D), float("nan"), device=device,
+                       dtype=dtype)
     free = list(range(num_blocks))
     rng.shuffle(free)
     seqs = [dict(plen=p, chunk=c, k=torch.zeros(0, KV, D), v=torch.zeros(0, KV, D), table=[])
@@ -139,15 +154,74 @@ def check_paged_attention(backend, device: torch.device, block_size: int, steps:
         meta = backend.build_metadata(AttentionInputs(q_lens, ctx_lens, [list(s["table"]) for s in seqs], block_size),
                                       device)
         total = sum(q_lens)
-        q, k, v = (torch.randn(total, h, D, generator=gen) for h in (H, KV, KV))
+        q, k, v = (torch.randn(total, h, D, generator=gen).to(dtype) for h in (H, KV, KV))
         out = backend.forward(q.to(device), k.to(device), v.to(device), cache, meta, scale).cpu()
-        assert out.shape == (total, H, D)
+        assert out.shape == (total, H, D) and out.dtype == dtype
         start = 0
         for s, n, ctx in zip(seqs, q_lens, ctx_lens):
             s["k"], s["v"] = torch.cat([s["k"], k[start:start + n]]), torch.cat([s["v"], v[start:start + n]])
             want = dense_reference(q[start:start + n], s["k"], s["v"], ctx, scale).float()
-            torch.testing.assert_close(out[start:start + n], want, atol=1e-4, rtol=1e-4)
+            tol = TOLERANCE[dtype]
+            torch.testing.assert_close(out[start:start + n].float(), want, atol=tol, rtol=tol)
             start += n
+
+
+# -- dtypes ----------------------------------------------------------------------------------------
+DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@pytest.mark.parametrize("name", sorted(DTYPE_NAMES))
+def test_supported_dtypes_run_and_auto_avoids_the_others(target, name):
+    from transformers import LlamaConfig
+
+    from heterollm.model_executor.runner import resolve_dtype
+
+    _, selection = target
+    platform = selection.platform
+    supported = platform.supports_dtype(name)
+    assert isinstance(supported, bool)
+    assert supported == platform.supports_dtype(name), "supports_dtype answers the same twice"
+    chosen = resolve_dtype("auto", LlamaConfig(dtype=name), platform, is_gguf=False)
+    assert platform.supports_dtype(str(chosen).removeprefix("torch.")), f"--dtype auto picked {chosen}"
+    if not supported:
+        pytest.skip(f"platform {platform.name!r} says {name} is not supported")
+    check_paged_attention(selection.component("attention")(), torch.device(platform.device_type), block_size=4,
+                          steps=6, dtype=DTYPE_NAMES[name])
+
+
+# -- sampler -----------------------------------------------------------------------------------------
+def sampling_rows(device: torch.device):
+    """A greedy row, and seeded rows exercising temperature, top-k, top-p, min-p and penalties."""
+    from heterollm import SamplingParams
+    from heterollm.sampling.sampler import SamplingRow
+
+    def row(seed: int | None, **params) -> SamplingRow:
+        gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+        return SamplingRow(SamplingParams(max_tokens=4, logprobs=2, **params), gen, [3, 4, 5], [6, 6])
+
+    return [row(None, temperature=0),
+            row(1, temperature=0.8, top_k=5),
+            row(2, temperature=1.1, top_p=0.9, min_p=0.05),
+            row(3, temperature=0.7, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2)]
+
+
+def test_sampler_keeps_every_tensor_on_the_logits_device(target):
+    """A sampler that builds a parameter tensor on the CPU works on a CPU and crashes on the first
+    sampled request on an accelerator; here it fails on any machine."""
+    from heterollm.sampling.sampler import Sampler
+    from heterollm.testing.devices import DeviceMixingDetector
+
+    _, selection = target
+    device = torch.device(selection.platform.device_type)
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    hosted = device.type == "cpu"  # no second device here: present the logits as living on another
+    detector = DeviceMixingDetector() if hosted else DeviceMixingDetector(fake=None)
+    with detector as dev:
+        tokens, logprobs = Sampler()(dev.place(logits) if hosted else logits.to(device),
+                                     sampling_rows(torch.device("cpu") if hosted else device))
+    assert "aten.exponential_.default" in dev.ops, "the seeded rows were drawn"
+    assert len(tokens) == 4 and all(0 <= t < 64 for t in tokens)
+    assert tokens[0] == int(logits[0].argmax()) and all(lp is not None for lp in logprobs)
 
 
 # -- communicator ----------------------------------------------------------------------------------
@@ -199,39 +273,109 @@ def test_communicator_collectives_on_two_ranks(target):
 
 
 # -- graph runner ----------------------------------------------------------------------------------
-def test_graph_runner_replay_equals_eager(target):
+GRAPH_SIZES, GRAPH_WIDTH = [1, 2, 4, 8], 8
+GRAPH_BATCHES = [1, 3, 8, 13]
+"""Decode batch sizes checked: exactly a bucket, padded into one, the largest, larger than any."""
+
+
+class ToyModel:
+    """One attention layer between an embedding and the output: a forward that reads every field a
+    graph runner must keep in its static buffers (ids, positions, the attention metadata)."""
+
+    def __init__(self, device: torch.device) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.embed = torch.randn(64, 32, generator=gen).to(device)
+        self.qkv = (torch.randn(32, (H + 2 * KV) * D, generator=gen) * 0.2).to(device)
+
+    def __call__(self, inputs):
+        x = torch.nn.functional.embedding(inputs.input_ids % 64, self.embed) * (inputs.positions[:, None] + 1) ** 0.5
+        q, k, v = (x @ self.qkv).split([H * D, KV * D, KV * D], dim=-1)
+        ctx = inputs.ctx
+        out = ctx.backend.forward(q.reshape(-1, H, D), k.reshape(-1, KV, D), v.reshape(-1, KV, D), ctx.kv_caches[0],
+                                  ctx.metadata, D ** -0.5)
+        return out.flatten(1)
+
+
+def step_inputs(backend, caches, device, query_lens, context_lens, tables, block_size: int, gen=None):
+    from heterollm.interfaces import AttentionInputs, ForwardContext, StepInputs
+
+    meta = backend.build_metadata(AttentionInputs(query_lens, context_lens, tables, block_size), device)
+    n = sum(query_lens)
+    ids = torch.randint(0, 64, (n,), generator=gen) if gen is not None else torch.zeros(n, dtype=torch.long)
+    pos = torch.cat([torch.arange(c, c + q) for c, q in zip(context_lens, query_lens)])
+    return StepInputs(ids.to(device), pos.to(device), ForwardContext(backend, meta, caches))
+
+
+def used(tables: list[list[int]], seq_lens: list[int], block_size: int) -> list[list[int]]:
+    """Each table cut to the blocks its sequence's length occupies (the engine allocates no more)."""
+    return [t[:-(-n // block_size)] for t, n in zip(tables, seq_lens)]
+
+
+def test_graph_runner_replays_decode_steps_with_the_eager_result(target):
     _, selection = target
     device = torch.device(selection.platform.device_type)
-    runner = selection.component("graph_runners")()
-    weight = torch.randn(16, 16, generator=torch.Generator().manual_seed(0)).to(device)
+    if not check_graph_runner(selection.component("attention")(), selection.component("graph_runners")(), device):
+        pytest.skip("the graph runner replays no decode step (an eager graph runner)")
 
-    def forward(input_ids, positions):
-        return torch.tanh(torch.nn.functional.embedding(input_ids % 16, weight) * (positions[:, None] + 1))
 
-    sizes = [1, 2, 4, 8]
-    runner.capture(forward, sizes)
-    for n in [1, 2, 3, 4, 8, 13]:
-        ids = torch.arange(n, device=device) * 3
-        pos = torch.arange(n, device=device) + 5
-        assert isinstance(runner.can_replay(n, True), bool)
-        torch.testing.assert_close(runner.run(forward, input_ids=ids, positions=pos), forward(ids, pos))
+def check_graph_runner(backend, runner, device: torch.device, block_size: int = 4) -> bool:
+    """Capture at start-up from decode-only steps of `backend`; then, for batches of several sizes
+    (some padded into a bucket, one larger than every bucket), a prefill and three decode steps:
+    each output equals the eager forward over the same cache, and every step the runner says it
+    can replay is counted as replayed. False when the runner replays nothing at all."""
+    model, bs = ToyModel(device), block_size
+    caches = [torch.full(backend.kv_cache_shape(1 + sum(GRAPH_BATCHES) * GRAPH_WIDTH, bs, KV, D), float("nan"),
+                         device=device)]
+
+    def make_inputs(n: int):  # what the model runner hands over: n decodes at position 1 of block 0
+        return step_inputs(backend, caches, device, [1] * n, [1] * n, [[0] * GRAPH_WIDTH] * n, bs)
+
+    with torch.inference_mode():
+        runner.capture(model, GRAPH_SIZES, make_inputs)
+        if not any(runner.can_replay(n, True) for n in GRAPH_SIZES):
+            return False
+        replays, expected, gen, next_block = runner.num_replays, 0, torch.Generator().manual_seed(1), 1
+        for n in GRAPH_BATCHES:
+            tables = [list(range(next_block + i * GRAPH_WIDTH, next_block + (i + 1) * GRAPH_WIDTH)) for i in range(n)]
+            next_block += n * GRAPH_WIDTH
+            lens = [5 + 2 * i for i in range(n)]
+            runner.run(model, step_inputs(backend, caches, device, lens, [0] * n, used(tables, lens, bs), bs, gen))
+            for t in range(3):
+                ctx = [c + t for c in lens]
+                inputs = step_inputs(backend, caches, device, [1] * n, ctx, used(tables, [c + 1 for c in ctx], bs), bs,
+                                     gen)
+                assert inputs.ctx.metadata.decode_only
+                expected += runner.can_replay(n, True)
+                got = runner.run(model, inputs).clone()
+                torch.testing.assert_close(got, model(inputs), atol=1e-4, rtol=1e-4)  # rewrites the same K/V
+    assert runner.num_replays - replays == expected > 0, "every replayable decode step replayed"
+    return True
 
 
 # -- executor ----------------------------------------------------------------------------------------
 PROMPTS = [[5, 6, 7, 8, 9], list(range(100, 140)), [42, 43, 44]]
+GREEDY = dict(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1)
+SAMPLED = dict(max_tokens=10, temperature=0.9, top_k=40, top_p=0.95, seed=1234, ignore_eos=True)
 
 
-def _generate(folder: Path, device: str, impl: str) -> tuple[list[list[int]], list[float]]:
+def _generate(folder: Path, device: str, impl: str, **flags) -> dict:
+    """Greedy tokens and logprobs, seeded-sampled tokens, and the graph replays of one engine."""
     from heterollm import LLM, SamplingParams
 
     llm = LLM(str(folder), device=device, extension_impl=impl, dtype="float32", block_size=4,
-              num_gpu_blocks_override=96, max_model_len=128, max_tokens_per_chunk_for_prefill=16)
+              num_gpu_blocks_override=96, max_model_len=128, max_tokens_per_chunk_for_prefill=16, **flags)
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                            SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1))
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+        greedy = llm.generate(prompts, SamplingParams(**GREEDY))
+        sampled = llm.generate(prompts, SamplingParams(**SAMPLED))
+        runner = getattr(getattr(llm.engine.executor, "runner", None), "graph_runner", None)
     finally:
         llm.shutdown()
-    return [o.outputs[0].token_ids for o in outs], [lp.logprob for o in outs for lp in o.outputs[0].logprobs]
+    return {"folder": str(folder), "tokens": [o.outputs[0].token_ids for o in greedy],
+            "logprobs": [lp.logprob for o in greedy for lp in o.outputs[0].logprobs],
+            "sampled": [o.outputs[0].token_ids for o in sampled],
+            "replays": None if runner is None else runner.num_replays,
+            "replayable": runner is not None and runner.can_replay(1, True)}
 
 
 def _transformers_greedy(folder: Path) -> list[list[int]]:
@@ -246,15 +390,58 @@ def _transformers_greedy(folder: Path) -> list[list[int]]:
     return outs
 
 
-def test_executor_matches_the_cpu_reference(target, tiny_model):
+@pytest.fixture(scope="module")
+def reference(tiny_model) -> dict:
+    """The CPU reference engine's results."""
+    return _generate(tiny_model, "cpu", "")
+
+
+@pytest.fixture(scope="module")
+def on_target(target, tiny_model) -> dict:
     config, _ = target
-    tokens, logprobs = _generate(tiny_model, config.device.device, config.execution.extension_impl)
-    if config.device.device == "cpu" and config.execution.extension_impl in ("", "cpu"):
-        assert tokens == _transformers_greedy(tiny_model)
+    return _generate(tiny_model, config.device.device, config.execution.extension_impl)
+
+
+def _is_reference(config) -> bool:
+    return config.device.device == "cpu" and config.execution.extension_impl in ("", "cpu")
+
+
+def test_executor_greedy_matches_the_cpu_reference(target, tiny_model, reference, on_target):
+    config, _ = target
+    if _is_reference(config):
+        assert on_target["tokens"] == _transformers_greedy(tiny_model)
         return
-    ref_tokens, ref_logprobs = _generate(tiny_model, "cpu", "")
-    assert tokens == ref_tokens
-    assert logprobs == pytest.approx(ref_logprobs, abs=1e-3)
+    assert on_target["tokens"] == reference["tokens"]
+    assert on_target["logprobs"] == pytest.approx(reference["logprobs"], abs=1e-3)
+
+
+def test_executor_seeded_sampling_repeats_and_matches_a_cpu_hosted_reference(target, tiny_model, reference,
+                                                                            on_target):
+    config, selection = target
+    assert on_target["sampled"] != on_target["tokens"], "temperature 0.9 should leave the greedy path"
+    if selection.platform.device_type == "cpu":  # the same generator as the reference's
+        assert on_target["sampled"] == reference["sampled"]
+    else:  # a device generator draws other numbers from the same seed: the same engine must repeat itself
+        again = _generate(tiny_model, config.device.device, config.execution.extension_impl)
+        assert on_target["sampled"] == again["sampled"]
+
+
+def test_executor_with_graphs_gives_the_eager_results(target, on_target):
+    """--enable_graph changes no token: greedy and seeded-sampled tokens and logprobs equal the
+    same backend's eager ones; a runner that can replay did replay."""
+    from heterollm.config import ConfigError
+    from heterollm.plugins import LaunchError
+
+    config, _ = target
+    try:
+        got = _generate(Path(on_target["folder"]), config.device.device, config.execution.extension_impl,
+                        enable_graph=True)
+    except (ConfigError, LaunchError) as exc:
+        pytest.skip(f"--enable_graph is refused by this backend: {exc}")
+    assert got["tokens"] == on_target["tokens"] and got["sampled"] == on_target["sampled"]
+    assert got["logprobs"] == pytest.approx(on_target["logprobs"], abs=1e-4)
+    if got["replayable"]:
+        assert got["replays"] > 0, "--enable_graph: decode steps replayed a graph"
 
 
 if __name__ == "__main__":  # python -m heterollm.testing.conformance --heterollm-device NAME
