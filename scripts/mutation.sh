@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Mutation testing with mutmut, one module at a time, with only that module's tests.
+#
+#   scripts/mutation.sh sampling [scheduler kv_cache engine openai]
+#
+# Modules and their tests: [tool.mutmut.modules] in pyproject.toml. Each module runs in its own
+# copy of the committed tree (git archive $MUTATION_REF, default HEAD) under $MUTATION_DIR
+# (default /tmp/heterollm-mutation/MODULE), so edits in progress in the work tree neither leak in
+# nor get mutated. Prints mutmut's summary and the surviving mutants; record the dated kill rate
+# and a verdict for each survivor in tests/MUTATION.md. Not part of CI: too slow. Rerun a module
+# when it changes.
+#
+# Cores: $MUTATION_JOBS mutants at a time (default 1: the machine is shared).
+# Install: `pip install -e '.[test]'` brings mutmut (>= 3.8; it installs next to torch 2.13 with
+# no conflict), or `.venv/bin/pip install 'mutmut>=3.8'`.
+set -euo pipefail
+
+ROOT=$(git -C "$(dirname "$0")/.." rev-parse --show-toplevel)
+PY=${PYTHON:-$ROOT/.venv/bin/python}
+MUTMUT=${MUTMUT:-$(dirname "$PY")/mutmut}
+REF=${MUTATION_REF:-HEAD}
+JOBS=${MUTATION_JOBS:-1}
+[ $# -ge 1 ] || { echo "usage: $0 MODULE... (modules: $("$PY" - "$ROOT" <<'EOF'
+import sys, tomllib
+print(" ".join(tomllib.load(open(sys.argv[1] + "/pyproject.toml", "rb"))["tool"]["mutmut"]["modules"]))
+EOF
+))" >&2; exit 2; }
+
+for module in "$@"; do
+  work=${MUTATION_DIR:-/tmp/heterollm-mutation}/$module
+  rm -rf "$work"
+  mkdir -p "$work"
+  git -C "$ROOT" archive "$REF" | tar -x -C "$work"
+  # this module's source_paths and tests in [tool.mutmut]; the modules table itself is dropped
+  "$PY" - "$work/pyproject.toml" "$module" <<'EOF'
+import re, sys, tomllib
+path, module = sys.argv[1], sys.argv[2]
+text = open(path).read()
+modules = tomllib.loads(text)["tool"]["mutmut"]["modules"]
+if module not in modules:
+    sys.exit(f"unknown module {module!r}; known: {', '.join(modules)}")
+entry = modules[module]
+text = re.sub(r"\n\[tool\.mutmut\.modules\][^\[]*", "\n", text)
+text = re.sub(r"(?m)^source_paths = .*$", "source_paths = " + repr(entry["paths"]).replace("'", '"'), text)
+text = re.sub(r"(?m)^pytest_add_cli_args_test_selection = .*$",
+              "pytest_add_cli_args_test_selection = " + repr(entry["tests"]).replace("'", '"'), text)
+open(path, "w").write(text)
+EOF
+  echo "== $module: mutmut in $work ($(git -C "$ROOT" rev-parse --short "$REF"), $JOBS at a time)"
+  (
+    cd "$work"
+    # the copied tree is what the tests import (mutmut puts the mutated files first)
+    export PYTHONPATH="$work/mutants/framework:$work/backends/cpu${PYTHONPATH:+:$PYTHONPATH}"
+    export HETEROLLM_CACHE_DIR=${HETEROLLM_CACHE_DIR:-$work/.cache}
+    "$MUTMUT" run --max-children "$JOBS" || true
+    "$MUTMUT" results --all false 2>/dev/null | tee "$work/survivors.txt" || true
+  )
+done
