@@ -273,3 +273,20 @@ def test_the_kits_graph_check_passes_the_device_graph_runner(backend):
     runner = Runner()
     assert check_graph_runner(backend, runner, torch.device("cpu"))
     assert runner.ops.captures == 4 and runner.num_replays > 0
+
+
+def test_graph_ops_hear_each_replays_live_host_arguments(model):
+    """The GraphOps update hook (ACL graphs push host-side kernel arguments there) runs before
+    every replay with the live step: its sequence lengths, not the padded bucket's."""
+    class Recording(RerunGraphOps):
+        def __init__(self):
+            super().__init__()
+            self.updates = []
+
+        def update(self, graph, inputs):
+            self.updates.append([c + q for c, q in zip(inputs.ctx.metadata.context_lens, inputs.ctx.metadata.query_lens)])
+
+    runner = Runner()
+    runner.ops = Recording()
+    steps(model, runner, [5, 9, 2], decodes=2, sizes=[1, 2, 4])
+    assert runner.num_replays == 2 and runner.ops.updates == [[6, 10, 3], [7, 11, 4]]

@@ -13,7 +13,7 @@ buffers repeats its last block). A batch with a prefill
 chunk, or larger than the largest bucket, runs eagerly; so does a batch that would need padding
 when the backend's layout has no scratch block.
 
-Capture and replay go through `GraphOps`, so the bookkeeping (buckets, padding, static buffers)
+Capture, per-replay host-argument updates and replay go through `GraphOps`, so the bookkeeping (buckets, padding, static buffers)
 is tested on CPU with ops that simply re-run the captured function (heterollm.testing.graphs).
 The attention backend's decode-only path must read only the metadata fields the static buffers
 hold (slot_mapping, seq_lens, block_tables, query_start_loc) and run without host synchronization
@@ -42,6 +42,12 @@ class GraphOps(ABC):
     @abstractmethod
     def replay(self, graph: Any) -> None:
         """Run the captured graph again over the current contents of its input buffers."""
+
+    def update(self, graph: Any, inputs: StepInputs) -> None:
+        """Called before each replay, once the static buffers hold `inputs` (the live, unpadded
+        step): push the arguments a captured kernel takes from the host into the graph (torch_npu's
+        graph task update of paged attention's sequence lengths under ACL graphs). Default: none
+        (a CUDA graph reads every argument from device buffers)."""
 
 
 class StreamGraphOps(GraphOps):
@@ -141,6 +147,7 @@ class DeviceGraphRunner(GraphRunner):
             return forward(inputs)
         self._fill(inputs, bucket)
         graph, out = self.graphs[bucket]
+        self.ops.update(graph, inputs)
         self.ops.replay(graph)
         self.num_replays += 1
         return out[:n]
