@@ -68,8 +68,6 @@ def test_batch_size_buckets():
 
 
 class Runner(DeviceGraphRunner):
-    platforms = ("cpu",)
-
     def __init__(self, fail_at: int | None = None) -> None:
         super().__init__(RerunGraphOps(fail_at))
 

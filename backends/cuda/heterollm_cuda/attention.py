@@ -65,7 +65,7 @@ def cumulative(lens: list[int]) -> torch.Tensor:
 
 
 class CudaPagedAttention(TorchPagedAttention):
-    platforms = ("cuda",)
+    """The core's torch paged attention on CUDA tensors, steps with a prefill through varlen_attn."""
 
     varlen: Callable[..., torch.Tensor] | None = staticmethod(varlen_attn) if varlen_attn is not None else None
     """The varlen kernel (torch's), or None where this torch has none."""

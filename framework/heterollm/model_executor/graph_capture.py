@@ -94,8 +94,6 @@ class _Static:
 class DeviceGraphRunner(GraphRunner):
     """Not registered itself: a backend registers a subclass that supplies `make_ops`."""
 
-    platforms = ()
-
     @classmethod
     def validate(cls, config) -> list[str]:
         return []
