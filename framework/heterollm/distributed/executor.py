@@ -16,11 +16,11 @@ from typing import Any
 
 from heterollm.distributed.worker import STOP, init_method, worker_main
 from heterollm.interfaces import Executor, RunnerOutput, SchedulerOutput
-from heterollm.interfaces.executor import ExecutorDead
+from heterollm.interfaces.executor import ExecutorDead, RankMemory
 
 logger = logging.getLogger("heterollm.distributed")
 
-SETUP = (None, "load_model", "determine_num_blocks", "initialize_cache")
+SETUP = (None, "load_model", "memory_profile", "initialize_cache")
 
 
 def free_port() -> int:
@@ -109,11 +109,9 @@ class MultiprocExecutor(Executor):
     def load_model(self) -> None:
         self._call("load_model")
 
-    def determine_num_blocks(self) -> int:
-        return self._call("determine_num_blocks")
-
-    def kv_bytes_per_block(self) -> int:
-        return self._call("kv_bytes_per_block")
+    def memory_profile(self) -> list[RankMemory]:
+        """Every rank's profile (rank 0 gathers them), in rank order."""
+        return self._call("memory_profile")
 
     def initialize_cache(self, num_blocks: int) -> None:
         self._call("initialize_cache", num_blocks)

@@ -132,10 +132,10 @@ def _serve(executor: Any, ctrl: Any, rank: int, conn: Any) -> None:
             if rank != 0:  # nobody hears this rank's answer: leave, so the engine sees a dead worker
                 os._exit(1)
             error = exc
-        if method == "determine_num_blocks":  # every rank must hold the cache: the smallest count wins
-            counts: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(counts, result if error is None else 0, group=ctrl)
-            result = min(counts)
+        if method == "memory_profile":  # rank 0 answers for every rank: the launcher sizes the cache for all
+            profiles: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(profiles, result if error is None else [], group=ctrl)
+            result = [p for rank_profiles in profiles for p in rank_profiles]
         if rank == 0:
             conn.send((result, error))
     executor.shutdown()

@@ -16,6 +16,8 @@ from typing import Any
 from heterollm.config import HeterollmConfig
 from heterollm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from heterollm.scheduler.request import Request, RequestRejected
+from heterollm.engine.memory_budget import KVPlan, KVSizing, mib, plan_kv_cache, plan_warnings
+from heterollm.engine.reservations import host_registry, registry_path, release
 from heterollm.engine.step_profiler import StepProfiler
 from heterollm.interfaces import RunnerOutput, SchedulerOutput
 from heterollm.kv_cache import KVCacheManager
@@ -79,7 +81,46 @@ class LLMEngine:
             self._start(config, max_len, dp_rank)
         except BaseException:  # a half-built engine must not leave worker processes behind
             self.executor.shutdown()
+            self._release_reservation()
             raise
+
+    def _plan_kv_cache(self, config: HeterollmConfig, max_len: int) -> KVPlan:
+        """Size this replica's KV cache from its ranks' reports and the host's registry, record the
+        reservation there (taken back at shutdown), and log it with the host's budget."""
+        kvc = config.kv_cache
+        sizing = KVSizing(kvc.max_memory_utilization, kvc.max_cache_size, config.fastdeploy.num_gpu_blocks_override,
+                          config.parallel.dp_size, max_len, kvc.block_size)
+        profiles = self.executor.memory_profile()
+        self._reservation = (f"{id(self)}", registry_path())
+        with host_registry(self._reservation[1]) as host:
+            plan = plan_kv_cache(profiles, sizing, host.others())
+            held = host.mine()
+            host.hold(self._reservation[0], plan.reserved())
+        for warning in plan_warnings(plan, held):
+            logger.warning("%s", warning)
+        for m in plan.memories:
+            mine = held.get(m.device, 0) + m.reserved(plan.num_blocks)
+            logger.info("KV cache: %d blocks of %d slots = %d tokens; %s: %s reserved (%d rank(s)), %s with weights "
+                        "and activations; heterollm on this host: this process %s + others %s of the budget %s "
+                        "(--max_memory_utilization=%s x %s total)", plan.num_blocks, kvc.block_size,
+                        plan.num_blocks * kvc.block_size, m.device, mib(plan.num_blocks * m.per_block), m.ranks,
+                        mib(m.reserved(plan.num_blocks)), mib(mine), mib(m.others), mib(m.budget),
+                        kvc.max_memory_utilization, mib(m.total))
+        return plan
+
+    def kv_committed_bytes(self) -> int:
+        """KV cache bytes whose pages are committed: on a platform that commits on first write
+        (`Platform.idle_kv_budget_bytes` set: the CPU), the blocks the pool ever handed out times
+        the bytes of a block over all ranks (a page a block shares with an untouched one may be
+        committed too); elsewhere the whole reservation, resident from allocation."""
+        if self.selection.platform.idle_kv_budget_bytes is None:
+            return self.kv_plan.kv_bytes
+        return self.kv.pool.num_touched * self.kv_plan.bytes_per_block
+
+    def _release_reservation(self) -> None:
+        if getattr(self, "_reservation", None) is not None:
+            release(*self._reservation)
+            self._reservation = None
 
     def _resolve_model(self) -> ModelSource:
         self.source = resolve_model(self.config.model.model)
@@ -89,17 +130,14 @@ class LLMEngine:
         """Load the weights, size and allocate the KV cache, and build the scheduler around it."""
         self.executor.load_model()
         block_size = config.kv_cache.block_size
-        num_blocks = self.executor.determine_num_blocks()
+        self.kv_plan = self._plan_kv_cache(config, max_len)
+        num_blocks = self.kv_plan.num_blocks
         capacity = num_blocks * block_size
         if capacity < max_len:
             logger.warning("the KV cache holds %d tokens, fewer than max_model_len %d; capping max_model_len",
                            capacity, max_len)
             max_len = capacity
         self.executor.initialize_cache(num_blocks)
-        per_block = getattr(self.executor, "kv_bytes_per_block", None)  # optional: executors that can tell
-        logger.info("KV cache: %d blocks of %d slots = %d tokens%s", num_blocks, block_size, capacity,
-                    f" ({num_blocks * per_block() / 2**20:.1f} MiB reserved, committed as blocks fill)"
-                    if per_block else "")
         self.num_blocks = num_blocks
         self.max_model_len = max_len
         self.tokenizer = load_tokenizer(self.source.folder, self.source.gguf_file, config.fastdeploy.tokenizer,
@@ -109,8 +147,8 @@ class LLMEngine:
         kvc = config.kv_cache
         idle_limit = None
         idle_bytes = self.selection.platform.idle_kv_budget_bytes
-        if idle_bytes is not None and per_block and not (kvc.max_cache_size or config.fastdeploy.num_gpu_blocks_override):
-            idle_limit = max(1, idle_bytes // per_block())
+        if idle_bytes is not None and not (kvc.max_cache_size or config.fastdeploy.num_gpu_blocks_override):
+            idle_limit = max(1, idle_bytes // self.kv_plan.bytes_per_block)
             if kvc.enable_prefix_cache and idle_limit < num_blocks:
                 logger.info("prefix cache: at most %d freed blocks (%.0f MiB) stay cached beyond the working set; "
                             "--max_cache_size lets it use the whole cache", idle_limit, idle_bytes / 2**20)
@@ -422,3 +460,4 @@ class LLMEngine:
         if self.kv_events is not None:
             self.kv_events.shutdown()
         self.executor.shutdown()
+        self._release_reservation()

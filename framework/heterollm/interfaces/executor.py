@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from abc import abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from heterollm.interfaces.component import Component
@@ -15,10 +16,32 @@ class ExecutorDead(RuntimeError):
     """The executor's workers are gone (a process died); the engine cannot run another step."""
 
 
+@dataclass(frozen=True)
+class RankMemory:
+    """What one rank holds after `load_model`, in bytes: the facts the launcher sizes the KV cache
+    from (engine/memory_budget.py). Ranks report; they do not size the cache themselves."""
+
+    device: str
+    """The memory this rank draws on: the host's name, the platform's device type, and the rank's
+    device index where the platform has several ("node1/npu:1"); ranks reporting the same string
+    share that memory (on the CPU every rank of a host does: "node1/cpu")."""
+    total: int
+    """`Platform.memory_info()` total of that memory."""
+    free: int
+    """`Platform.memory_info()` free of that memory, read after the weights were loaded."""
+    weights: int
+    """This rank's weights (its shard under tensor parallelism)."""
+    activation_peak: int
+    """This rank's peak activation for a `--max_tokens_per_batch` step."""
+    kv_bytes_per_block: int
+    """Bytes one KV cache block takes on this rank (all layers, K and V)."""
+
+
 class Executor(Component):
     """Loads the model on its workers, sizes and allocates the KV cache, and executes steps.
 
-    Call order: `load_model` -> `determine_num_blocks` -> `initialize_cache` -> `execute`* -> `shutdown`.
+    Call order: `load_model` -> `memory_profile` -> `initialize_cache` -> `execute`* -> `shutdown`.
+    The engine (the launcher) turns the ranks' profiles into one block count for all of them.
     """
 
     @classmethod
@@ -37,8 +60,8 @@ class Executor(Component):
         """Build the model and load its weights on every worker."""
 
     @abstractmethod
-    def determine_num_blocks(self) -> int:
-        """How many KV cache blocks fit (num_gpu_blocks_override, else max_cache_size, else memory)."""
+    def memory_profile(self) -> list[RankMemory]:
+        """One RankMemory per rank this executor runs (every rank on this node, rank order)."""
 
     @abstractmethod
     def initialize_cache(self, num_blocks: int) -> None:

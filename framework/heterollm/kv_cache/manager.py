@@ -73,6 +73,11 @@ class BlockPool:
         return self._fresh.pop()
 
     @property
+    def num_touched(self) -> int:
+        """Blocks ever handed out (the rest were never written: on CPU their pages are not committed)."""
+        return self.num_blocks - len(self._fresh)
+
+    @property
     def num_cached(self) -> int:
         return len(self.cached)
 

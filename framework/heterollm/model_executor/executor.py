@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from heterollm.interfaces import Executor, RunnerOutput, SchedulerOutput
+from heterollm.interfaces.executor import RankMemory
 from heterollm.model_executor.runner import LaunchContext, ModelRunner
 
 
@@ -32,11 +33,8 @@ class InProcessExecutor(Executor):
         self.runner = self.make_runner()
         self.runner.load_model()
 
-    def determine_num_blocks(self) -> int:
-        return self.runner.determine_num_blocks()
-
-    def kv_bytes_per_block(self) -> int:
-        return self.runner.kv_bytes_per_block()
+    def memory_profile(self) -> list[RankMemory]:
+        return [self.runner.memory_profile()]
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.runner.initialize_cache(num_blocks)

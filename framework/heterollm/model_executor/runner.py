@@ -4,6 +4,7 @@ AttentionBackend, and samples. Backends' executors drive one of these per worker
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -13,6 +14,7 @@ import torch
 from heterollm.config import ConfigError, HeterollmConfig
 from heterollm.interfaces import (AttentionInputs, Communicator, ForwardContext, RunnerOutput, ScheduledRequest,
                                   SchedulerOutput, StepInputs, TokenLogprobs)
+from heterollm.interfaces.executor import RankMemory
 from heterollm.model_executor import ops
 from heterollm.model_executor.linear_method import model_bytes, prepare_linears, select_linear_method
 from heterollm.model_executor.loader import ModelSource, iter_weights
@@ -70,6 +72,14 @@ def graph_batch_sizes(config: HeterollmConfig) -> list[int]:
     return sorted({s for s in (1, 2, 4) if s < limit} | set(range(8, limit + 1, 8)) | {limit})
 
 
+def device_key(device_type: str) -> str:
+    """The memory a rank draws on: the host's name, then the device type plus the current device's
+    index where the platform has indices ("node1/npu:1"); a platform without them (the CPU: the host's
+    memory, shared by every rank on it) gives the type alone ("node1/cpu")."""
+    index = torch.get_device_module(device_type).current_device()
+    return f"{socket.gethostname()}/{device_type}" + (f":{index}" if isinstance(index, int) else "")
+
+
 @dataclass
 class LaunchContext:
     """What an executor is constructed with."""
@@ -108,7 +118,6 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.model: Any = None
         self.weight_bytes = 0
-        self.free_before_load = 0
 
     # -- set-up ----------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -117,7 +126,6 @@ class ModelRunner:
             method = select_linear_method(self.config.fastdeploy.quantization)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        self.free_before_load = self.platform.memory_info()[0]
         cls = get_model_class(self.source.architectures, str(self.source.gguf_file or self.source.folder))
         started = time.perf_counter()
         with torch.device(self.device):
@@ -166,26 +174,14 @@ class ModelRunner:
         seqs = min(num_tokens, self.config.scheduler.max_seqs_per_batch)
         return num_tokens * per_token + seqs * cfg.vocab_size * 4 * 3
 
-    def determine_num_blocks(self) -> int:
-        override = self.config.fastdeploy.num_gpu_blocks_override
-        per_block = self.kv_bytes_per_block()
-        if override:
-            return override
-        cap = self.config.kv_cache.max_cache_size
-        if cap > 0:
-            blocks = cap // per_block
-            if blocks < 1:
-                raise ConfigError(f"--max_cache_size={cap}: smaller than one KV block ({per_block} bytes)")
-            return blocks
-        util = self.config.kv_cache.max_memory_utilization
-        peak = self.activation_peak_bytes(self.config.scheduler.max_tokens_per_batch)
-        budget = int(util * self.free_before_load) - self.weight_bytes - peak
-        blocks = budget // per_block
-        if blocks < 1:
-            raise ConfigError(f"--max_memory_utilization={util}: no room for the KV cache "
-                              f"({self.free_before_load / 2**30:.1f} GiB available, weights "
-                              f"{self.weight_bytes / 2**30:.2f} GiB, activations {peak / 2**30:.2f} GiB)")
-        return int(blocks)
+    def memory_profile(self) -> RankMemory:
+        """What this rank holds, for the launcher's KV cache plan (engine/memory_budget.py): its
+        memory's figures, weights, activation peak and bytes per block. Sizes nothing itself."""
+        free, total = self.platform.memory_info()
+        return RankMemory(device=device_key(self.platform.device_type), total=total, free=free,
+                          weights=self.weight_bytes,
+                          activation_peak=self.activation_peak_bytes(self.config.scheduler.max_tokens_per_batch),
+                          kv_bytes_per_block=self.kv_bytes_per_block())
 
     def initialize_cache(self, num_blocks: int) -> None:
         """Allocate the caches, then capture the decode graphs (`--enable_graph`), all of them now,
@@ -195,7 +191,14 @@ class ModelRunner:
         shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, kv_heads, head_dim)
         # empty, not zeros: pages are committed as blocks are first written; backends never read
         # a slot that has not been written for the sequence reading it
-        self.kv_caches = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
+        try:
+            self.kv_caches = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
+        except (RuntimeError, MemoryError) as exc:  # the device's out-of-memory errors are RuntimeErrors
+            self.kv_caches = []
+            want = num_blocks * self.kv_bytes_per_block()
+            raise ConfigError(f"allocating the KV cache ({num_blocks} blocks, {want / 2**20:.1f} MiB on this rank) "
+                              f"failed: {exc}; lower --max_memory_utilization "
+                              f"({self.config.kv_cache.max_memory_utilization}) or set --max_cache_size") from None
         self._capture_graphs(graph_batch_sizes(self.config))
 
     @torch.inference_mode()

@@ -77,6 +77,11 @@ _GAUGES = {
     "heterollm_kv_cache_usage_perc": ("Fraction of KV cache blocks in use (0..1).", lambda e: e.kv.usage),
     "heterollm_kv_cache_free_blocks": ("KV cache blocks free.", lambda e: e.kv.num_free_blocks),
     "heterollm_kv_cache_total_blocks": ("KV cache blocks in all.", lambda e: e.kv.pool.num_blocks),
+    "heterollm_kv_cache_reserved_bytes": ("KV cache bytes the replica reserved, over its tensor-parallel ranks (see "
+                                          "the start-up log for the host budget).", lambda e: e.kv_plan.kv_bytes),
+    "heterollm_kv_cache_committed_bytes": ("KV cache bytes actually backed by memory: on CPU, blocks ever handed out "
+                                           "x bytes per block (pages are committed on first write); elsewhere "
+                                           "the whole reservation.", lambda e: e.kv_committed_bytes()),
     "heterollm_prefix_cache_hit_rate": ("Prefix cache hits / queries since start (0..1).",
                                         lambda e: e.kv.hits / e.kv.queries if e.kv.queries else 0.0),
     "heterollm_prefix_cache_blocks": ("KV cache blocks holding a cached prefix (in use or evictable).",
