@@ -88,14 +88,14 @@ def test_a_compiled_step_that_fails_mid_serving_falls_back_to_eager(caplog):
 
 
 def test_cpu_accepts_graph_flags_but_not_the_device_only_padding_switch():
-    from heterollm.config.support import check_support
+    from heterollm.plugins import LaunchError, resolve
 
-    cfg = load_config([], overrides={"model": "x", "enable_graph": True, "max_tokens_for_graph_mode": 8}).config
-    assert check_support(cfg, "cpu") == []
-    cfg = load_config([], overrides={"model": "x", "enable_graph_mode_decode_no_padding": True}).config
-    assert check_support(cfg, "cpu") == [
+    resolve(load_config([], overrides={"model": "x", "enable_graph": True, "max_tokens_for_graph_mode": 8}).config)
+    with pytest.raises(LaunchError) as refused:
+        resolve(load_config([], overrides={"model": "x", "enable_graph_mode_decode_no_padding": True}).config)
+    assert refused.value.reasons == [
         "--enable_graph_mode_decode_no_padding=true: device graphs only: the CPU graph (torch.compile) has dynamic "
-        "shapes and never pads a batch (selected platform: cpu)"]
+        "shapes and never pads a batch (heterollm-cpu, selected)"]
 
 
 def test_graph_with_tensor_parallel_is_refused_on_cpu():

@@ -29,8 +29,9 @@ def test_backends_are_installed_and_say_why_they_are_unusable(cli):
                       ("npu", "torch_npu is not installed"), ("mlu", "torch_mlu is not installed")]:
         if name == "cuda" and CUDA:
             continue
-        line = next(i for i, l in enumerate(r.out.splitlines()) if l.strip().startswith(name + " "))
-        assert why in r.out.splitlines()[line + 1], r.out
+        lines = r.out.splitlines()
+        line = next(i for i in range(lines.index("platforms:"), len(lines)) if lines[i].strip().startswith(name + " "))
+        assert why in lines[line + 1], r.out
 
 
 @pytest.mark.parametrize("device,why", [("npu", "torch_npu is not installed"), ("mlu", "torch_mlu is not installed")])
