@@ -23,6 +23,7 @@ from heterollm.model_executor.registry import get_model_class
 from heterollm.sampling.sampler import Sampler, SamplingRow, gather_logprobs
 
 if TYPE_CHECKING:
+    from heterollm.interfaces import Platform
     from heterollm.plugins.resolver import Selection
 
 logger = logging.getLogger("heterollm.runner")
@@ -30,7 +31,7 @@ logger = logging.getLogger("heterollm.runner")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(requested: str, hf_config: Any, platform: Any, is_gguf: bool) -> torch.dtype:
+def resolve_dtype(requested: str, hf_config: Any, platform: Platform, is_gguf: bool) -> torch.dtype:
     """--dtype auto: the checkpoint's dtype (bf16 for a dequantized GGUF), replaced by bf16 or
     fp32 where the platform lacks native support for it."""
     if requested != "auto":
@@ -282,7 +283,8 @@ class ModelRunner:
         ctx = ForwardContext(self.attn_backend, meta, self.kv_caches)
         return StepInputs(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), ctx)
 
-    def _sample(self, reqs: list[ScheduledRequest], hidden: torch.Tensor, ends: list[int]) -> dict[int, tuple[int, Any]]:
+    def _sample(self, reqs: list[ScheduledRequest], hidden: torch.Tensor,
+                ends: list[int]) -> dict[int, tuple[int, TokenLogprobs | None]]:
         """Sample the requests that finish their step's tokens: batch index -> (token, logprobs)."""
         sample_idx = [i for i, r in enumerate(reqs) if r.sample]
         if not sample_idx:
