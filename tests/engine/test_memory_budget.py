@@ -1,0 +1,215 @@
+"""One memory budget per host (issue 29): the launcher sizes every rank's KV cache from
+max_memory_utilization x total, split over the ranks sharing a memory and over --dp_size replicas,
+less what other heterollm processes on the host reserved (a registry under the cache dir);
+--max_cache_size caps an instance; overcommit warns, no room for one sequence refuses."""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from helpers import build_tiny_model
+from heterollm.config import ConfigError, load_config
+from heterollm.engine import reservations
+from heterollm.engine.llm_engine import LLMEngine
+from heterollm.engine.memory_budget import KVSizing, plan_kv_cache, plan_warnings
+from heterollm.interfaces.executor import RankMemory
+
+MiB = 2**20
+HOST = "node/cpu"
+
+
+def rank(device=HOST, total=1000 * MiB, weights=10 * MiB, peak=5 * MiB, per_block=MiB // 4, free=None):
+    return RankMemory(device=device, total=total, free=total if free is None else free, weights=weights,
+                      activation_peak=peak, kv_bytes_per_block=per_block)
+
+
+def sizing(util=0.5, **kw):
+    return KVSizing(util, **{"max_model_len": 256, "block_size": 16, **kw})
+
+
+# -- the plan ------------------------------------------------------------------------------------
+
+def test_ranks_on_one_host_split_it():
+    plan = plan_kv_cache([rank()] * 3, sizing(), {})
+    # (500 MiB budget - 3 x 15 MiB) over 3 ranks x 1/4 MiB a block
+    assert plan.num_blocks == (500 * MiB - 45 * MiB) // (3 * MiB // 4)
+    (host,) = plan.memories
+    assert host.ranks == 3 and host.budget == 500 * MiB
+    assert plan.reserved()[HOST] <= 500 * MiB < plan.reserved()[HOST] + 3 * MiB // 4  # within a block
+    assert plan.kv_bytes == plan.num_blocks * 3 * MiB // 4  # each rank: the same num_blocks x 1/4 MiB
+
+
+def test_ranks_on_their_own_devices_each_use_their_device():
+    plan = plan_kv_cache([rank("node/npu:0", total=1000 * MiB), rank("node/npu:1", total=800 * MiB)], sizing(), {})
+    assert {m.device: m.budget for m in plan.memories} == {"node/npu:0": 500 * MiB, "node/npu:1": 400 * MiB}
+    assert plan.num_blocks == (400 * MiB - 15 * MiB) // (MiB // 4)  # the smaller device decides
+    assert all(r <= 400 * MiB for r in plan.reserved().values())
+
+
+def test_replicas_and_other_processes_share_the_budget():
+    plan = plan_kv_cache([rank()], sizing(dp_size=2), {HOST: 100 * MiB})
+    (host,) = plan.memories
+    assert host.share == 200 * MiB  # (500 - 100) / 2
+    assert 2 * plan.reserved()[HOST] + 100 * MiB <= 500 * MiB
+    assert plan_warnings(plan, {HOST: plan.reserved()[HOST]}) == []  # the second replica fits
+
+
+def test_max_cache_size_caps_the_instance_over_replicas_and_ranks():
+    plan = plan_kv_cache([rank()] * 2, sizing(dp_size=2, max_cache_size=100 * MiB), {})
+    assert plan.num_blocks == 50 * MiB // (MiB // 2) and plan.kv_bytes == 50 * MiB
+    assert plan.sizing.flag == "--max_cache_size"
+
+
+def test_an_explicit_size_over_the_budget_warns_with_the_numbers():
+    plan = plan_kv_cache([rank()], sizing(max_cache_size=400 * MiB), {HOST: 200 * MiB})
+    (why,) = plan_warnings(plan, {})
+    assert "615.0 MiB" in why and "others 200.0 MiB" in why and "500.0 MiB" in why and "--max_cache_size" in why
+
+
+def test_no_room_for_one_sequence_is_refused_naming_flags_and_numbers():
+    with pytest.raises(ConfigError) as err:  # 500 - 480 held - 15 fixed = 5 MiB < 512 tokens = 32 blocks = 8 MiB
+        plan_kv_cache([rank()], sizing(max_model_len=512), {HOST: 480 * MiB})
+    msg = str(err.value)
+    for part in ("--max_memory_utilization=0.5", "--max_cache_size", "480.0 MiB", "5.0 MiB", "max_model_len=512",
+                 "8.0 MiB"):
+        assert part in msg, part
+    plan_kv_cache([rank()], sizing(max_model_len=512), {HOST: 477 * MiB})  # 8 MiB left: fits exactly
+
+
+def test_a_cache_larger_than_free_memory_warns():
+    plan = plan_kv_cache([rank(free=100 * MiB)], sizing(), {})
+    assert any("free there now" in w for w in plan_warnings(plan, {}))
+
+
+# -- the host registry ---------------------------------------------------------------------------
+
+def test_registry_counts_live_processes_only(tmp_path):
+    path = tmp_path / "host.json"
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = int(finished.stdout)
+    started = reservations.process_started(sleeper.pid)
+    try:
+        import json
+        path.write_text(json.dumps({
+            str(sleeper.pid): {"started": started, "memories": {HOST: 100}},
+            str(gone): {"started": None, "memories": {HOST: 1000}},  # exited
+            str(os.getpid()): {"started": "not-my-start-time", "memories": {HOST: 10000}},  # a reused pid
+        }))
+        with reservations.host_registry(path) as view:
+            assert view.others() == {HOST: 100}
+            view.hold("e1", {HOST: 7})
+            view.hold("e2", {HOST: 3})
+        with reservations.host_registry(path) as view:
+            assert view.mine() == {HOST: 10} and view.others() == {HOST: 100}
+        assert set(json.loads(path.read_text())) == {str(sleeper.pid), str(os.getpid())}  # stale entries dropped
+        reservations.release("e1", path)
+        reservations.release("e1", path)  # twice: nothing more
+        with reservations.host_registry(path) as view:
+            assert view.mine() == {HOST: 3}
+        reservations.release("e2", path)
+        assert set(json.loads(path.read_text())) == {str(sleeper.pid)}
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    with reservations.host_registry(path) as view:
+        assert view.others() == {}
+
+
+def test_a_process_entry_goes_when_it_exits(tmp_path):
+    path = tmp_path / "host.json"
+    code = f"""
+        from pathlib import Path
+        from heterollm.engine import reservations
+        with reservations.host_registry(Path({str(path)!r})) as view:
+            view.hold("e", {{"{HOST}": 5}})
+        print(Path({str(path)!r}).read_text())
+    """
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, check=True)
+    assert '"memories"' in out.stdout and HOST in out.stdout  # held while it ran
+    import json
+    assert json.loads(path.read_text()) == {}
+
+
+# -- engines ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("budget"), "llama")
+
+
+SMALL = dict(dtype="float32", block_size=16, max_model_len=256, max_tokens_per_batch=256, max_seqs_per_batch=4)
+
+
+def test_tp3_ranks_split_the_host_budget(tmp_path, caplog):
+    folder = build_tiny_model(tmp_path / "tp3", "llama", hidden_size=48, intermediate_size=96, num_attention_heads=3,
+                              num_key_value_heads=3)
+    caplog.set_level(logging.INFO, logger="heterollm.engine")
+    engine = LLMEngine(load_config([], overrides={"model": str(folder), **SMALL, "tp_size": 3,
+                                                  "max_memory_utilization": 0.01}).config)
+    try:
+        plan = engine.kv_plan
+        (host,) = plan.memories
+        assert host.ranks == 3 and host.budget == int(0.01 * host.total)
+        profiles = engine.executor.memory_profile()
+        assert len({p.kv_bytes_per_block for p in profiles}) == 1  # each rank's share: num_blocks x the same block
+        assert plan.reserved()[host.device] <= host.budget < plan.reserved()[host.device] + host.per_block
+        (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:")]
+        assert f"{plan.num_blocks} blocks" in line and "(3 rank(s))" in line
+        assert f"{plan.kv_bytes / MiB:.1f} MiB reserved" in line and f"of the budget {host.budget / MiB:.1f} MiB" in line
+    finally:
+        engine.shutdown()
+
+
+CHILD = """
+    import sys
+    from heterollm_cpu.platform import CpuPlatform
+    CpuPlatform.memory_info = lambda self, device=None: ({total}, {total})
+    from heterollm.config import load_config
+    from heterollm.engine.llm_engine import LLMEngine
+    e = LLMEngine(load_config([], overrides={flags!r}).config)
+    print("READY", e.kv_plan.kv_bytes, flush=True)
+    sys.stdin.read()
+"""
+TOTAL = 2048 * MiB
+
+
+def start_instance(flags: dict) -> subprocess.Popen:
+    code = textwrap.dedent(CHILD.format(total=TOTAL, flags=flags))
+    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_instances_with_max_cache_size_are_honoured_and_the_third_warns(tiny, caplog, monkeypatch):
+    """Two instances with --max_cache_size=400 MiB on a 1 GiB budget (0.5 x 2 GiB) fit; a third
+    warns with the numbers and keeps its cap; one whose share cannot hold a sequence is refused."""
+    flags = {"model": str(tiny), **SMALL, "max_memory_utilization": 0.5, "max_cache_size": 400 * MiB}
+    children = [start_instance(flags) for _ in range(2)]
+    try:
+        for child in children:
+            line = child.stdout.readline()
+            assert line.split() == ["READY", str(400 * MiB)], child.stderr.read() if not line else line
+            child.stderr.close()  # its log is not read further
+        from heterollm_cpu.platform import CpuPlatform
+        monkeypatch.setattr(CpuPlatform, "memory_info", lambda self, device=None: (TOTAL, TOTAL))
+        caplog.set_level(logging.INFO, logger="heterollm.engine")
+        third = LLMEngine(load_config([], overrides=flags).config)
+        try:
+            assert third.kv_plan.kv_bytes == 400 * MiB
+            (host,) = third.kv_plan.memories
+            assert 800 * MiB < host.others < 900 * MiB  # the two others: caches plus weights and activations
+            (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+            assert f"others {host.others / MiB:.1f} MiB" in warning and "1024.0 MiB" in warning
+        finally:
+            third.shutdown()
+        with pytest.raises(ConfigError, match=r"no room for the KV cache: .*--max_memory_utilization=0\.4 x 2048\.0 MiB"):
+            LLMEngine(load_config([], overrides={**flags, "max_memory_utilization": 0.4}).config)
+    finally:
+        for child in children:
+            child.stdin.close()
+            child.wait(30)
