@@ -55,6 +55,7 @@ def test_two_replicas_get_equal_shares_within_the_budget(tiny_llama, host_of_1gi
         reserved = metric(text, "heterollm_kv_cache_reserved_bytes")
         assert reserved == {"0": plans[0].kv_bytes, "1": plans[1].kv_bytes}
         assert sum(reserved.values()) <= budget
+        assert metric(text, "heterollm_kv_cache_committed_bytes") == {"0": 0, "1": 0}  # reserved, nothing touched yet
     finally:
         for e in engines:
             e.shutdown()
