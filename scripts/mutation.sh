@@ -31,6 +31,9 @@ for module in "$@"; do
   rm -rf "$work"
   mkdir -p "$work"
   git -C "$ROOT" archive "$REF" | tar -x -C "$work"
+  # mutmut names a mutant after its file's path, dropping only a leading "src/": with the package
+  # under src/ the names match the modules the tests import (heterollm.sampling.sampler)
+  mv "$work/framework" "$work/src"
   # this module's source_paths and tests in [tool.mutmut]; the modules table itself is dropped
   "$PY" - "$work/pyproject.toml" "$module" <<'EOF'
 import re, sys, tomllib
@@ -39,8 +42,15 @@ text = open(path).read()
 modules = tomllib.loads(text)["tool"]["mutmut"]["modules"]
 if module not in modules:
     sys.exit(f"unknown module {module!r}; known: {', '.join(modules)}")
-entry = modules[module]
-text = re.sub(r"\n\[tool\.mutmut\.modules\][^\[]*", "\n", text)
+entry = {key: [p.replace("framework/", "src/", 1) for p in value] for key, value in modules[module].items()}
+lines, skipping = [], False
+for line in text.splitlines(keepends=True):  # drop the [tool.mutmut.modules] table, up to the next header
+    if line.startswith("["):
+        skipping = line.strip() == "[tool.mutmut.modules]"
+    if not skipping:
+        lines.append(line)
+text = "".join(lines)
+text = re.sub(r"(?m)^also_copy = .*$", 'also_copy = ["src/"]', text)
 text = re.sub(r"(?m)^source_paths = .*$", "source_paths = " + repr(entry["paths"]).replace("'", '"'), text)
 text = re.sub(r"(?m)^pytest_add_cli_args_test_selection = .*$",
               "pytest_add_cli_args_test_selection = " + repr(entry["tests"]).replace("'", '"'), text)
@@ -49,8 +59,10 @@ EOF
   echo "== $module: mutmut in $work ($(git -C "$ROOT" rev-parse --short "$REF"), $JOBS at a time)"
   (
     cd "$work"
-    # the copied tree is what the tests import (mutmut puts the mutated files first)
-    export PYTHONPATH="$work/mutants/framework:$work/backends/cpu${PYTHONPATH:+:$PYTHONPATH}"
+    # mutmut puts mutants/src first on sys.path itself (naming it in PYTHONPATH before it exists
+    # would hide it: Python caches a missing folder as having no modules); the CPU backend comes
+    # from the same copy
+    export PYTHONPATH="$work/backends/cpu${PYTHONPATH:+:$PYTHONPATH}"
     export HETEROLLM_CACHE_DIR=${HETEROLLM_CACHE_DIR:-$work/.cache}
     "$MUTMUT" run --max-children "$JOBS" || true
     "$MUTMUT" results --all false 2>/dev/null | tee "$work/survivors.txt" || true
