@@ -16,8 +16,11 @@ def run_kit(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 
 # what each backend's kit run skips, and why
-SKIPS = {"cpu": ["says float16 is not supported"],
-         "template": ["replays no decode step (an eager graph runner)"]}
+SKIPS = {"cpu": ["'cpu' says float16 is not supported"],
+         "template": ["'template' says bfloat16 is not supported", "'template' says float16 is not supported",
+                      "replays no decode step (an eager graph runner)",
+                      "--enable_graph is refused by this backend: --enable_graph=true: the template runs every step "
+                      "eagerly"]}
 
 
 @pytest.mark.parametrize("device", ["cpu", "template"])
@@ -25,7 +28,7 @@ def test_backend_passes_the_kit(device):
     r = run_kit("--heterollm-device", device, "-rs")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     summary = r.stdout.strip().splitlines()[-1]
-    assert f"{15 - len(SKIPS[device])} passed" in summary and "failed" not in summary, r.stdout[-3000:]
+    assert f"{13 - len(SKIPS[device])} passed" in summary and "failed" not in summary, r.stdout[-3000:]
     for reason in SKIPS[device]:
         assert reason in r.stdout
 

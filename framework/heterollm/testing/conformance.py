@@ -96,8 +96,8 @@ def test_registration_and_contract_range(target):
     assert selection.platform.name == config.device.device
     assert set(COMPONENT_GROUPS) <= set(selection.components), "every component group resolves"
     for group in COMPONENT_GROUPS:
-        cls = selection.component(group)
-        assert config.device.device in cls.platforms, f"{group}: {cls.__name__} does not name the platform"
+        cls, entry = selection.component(group), selection.components[group]
+        assert config.device.device in entry.runs_on, f"{group}: {entry.backend} does not run {cls.__name__} here"
         assert cls.validate(config) == [], f"{group}: {cls.__name__} refuses a default config"
     assert selection.platform.validate(config) == []
     free, total = selection.platform.memory_info()
