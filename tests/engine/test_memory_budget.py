@@ -4,6 +4,7 @@ less what other heterollm processes on the host reserved (a registry under the c
 --max_cache_size caps an instance; overcommit warns, no room for one sequence refuses."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -91,15 +92,15 @@ def test_a_cache_larger_than_free_memory_warns():
 def test_registry_counts_live_processes_only(tmp_path):
     path = tmp_path / "host.json"
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     gone = int(finished.stdout)
     started = reservations.process_started(sleeper.pid)
     try:
-        import json
         path.write_text(json.dumps({
             str(sleeper.pid): {"started": started, "memories": {HOST: 100}},
             str(gone): {"started": None, "memories": {HOST: 1000}},  # exited
-            str(os.getpid()): {"started": "not-my-start-time", "memories": {HOST: 10000}},  # a reused pid
+            str(other.pid): {"started": "0", "memories": {HOST: 10000}},  # its pid, since reused
         }))
         with reservations.host_registry(path) as view:
             assert view.others() == {HOST: 100}
@@ -115,8 +116,9 @@ def test_registry_counts_live_processes_only(tmp_path):
         reservations.release("e2", path)
         assert set(json.loads(path.read_text())) == {str(sleeper.pid)}
     finally:
-        sleeper.kill()
-        sleeper.wait()
+        for p in (sleeper, other):
+            p.kill()
+            p.wait()
     with reservations.host_registry(path) as view:
         assert view.others() == {}
 
@@ -132,7 +134,6 @@ def test_a_process_entry_goes_when_it_exits(tmp_path):
     """
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, check=True)
     assert '"memories"' in out.stdout and HOST in out.stdout  # held while it ran
-    import json
     assert json.loads(path.read_text()) == {}
 
 
@@ -157,8 +158,10 @@ def test_tp3_ranks_split_the_host_budget(tmp_path, caplog):
         (host,) = plan.memories
         assert host.ranks == 3 and host.budget == int(0.01 * host.total)
         profiles = engine.executor.memory_profile()
-        assert len({p.kv_bytes_per_block for p in profiles}) == 1  # each rank's share: num_blocks x the same block
-        assert plan.reserved()[host.device] <= host.budget < plan.reserved()[host.device] + host.per_block
+        assert len(profiles) == 3 and len({p.kv_bytes_per_block for p in profiles}) == 1  # equal shares
+        held = [p.weights + p.activation_peak + plan.num_blocks * p.kv_bytes_per_block for p in profiles]
+        assert sum(held) == plan.reserved()[host.device]
+        assert sum(held) <= host.budget < sum(held) + sum(p.kv_bytes_per_block for p in profiles)  # within a block
         (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:")]
         assert f"{plan.num_blocks} blocks" in line and "(3 rank(s))" in line
         assert f"{plan.kv_bytes / MiB:.1f} MiB reserved" in line and f"of the budget {host.budget / MiB:.1f} MiB" in line
