@@ -216,3 +216,14 @@ def test_instances_with_max_cache_size_are_honoured_and_the_third_warns(tiny, ca
         for child in children:
             child.stdin.close()
             child.wait(30)
+
+
+def test_an_allocation_the_os_refuses_names_the_flag_and_leaves_no_reservation(tiny):
+    with reservations.host_registry() as view:
+        before = view.mine()
+    with pytest.raises(ConfigError, match=r"allocating the KV cache \(1000000000000 blocks, .* MiB on this rank\) "
+                                          r"failed: .*lower --num_gpu_blocks_override=1000000000000"):
+        LLMEngine(load_config([], overrides={"model": str(tiny), **SMALL,
+                                             "num_gpu_blocks_override": 10**12}).config)
+    with reservations.host_registry() as view:
+        assert view.mine() == before

@@ -198,9 +198,17 @@ class ModelRunner:
             self.kv_caches = []
             want = num_blocks * self.kv_bytes_per_block()
             raise ConfigError(f"allocating the KV cache ({num_blocks} blocks, {want / 2**20:.1f} MiB on this rank) "
-                              f"failed: {exc}; lower --max_memory_utilization "
-                              f"({self.config.kv_cache.max_memory_utilization}) or set --max_cache_size") from None
+                              f"failed: {exc}; {self._sizing_flags()}") from None
         self._capture_graphs(graph_batch_sizes(self.config))
+
+    def _sizing_flags(self) -> str:
+        """What to change when the cache does not fit, naming the flag that sized it."""
+        kvc, fd = self.config.kv_cache, self.config.fastdeploy
+        if fd.num_gpu_blocks_override:
+            return f"lower --num_gpu_blocks_override={fd.num_gpu_blocks_override}"
+        if kvc.max_cache_size:
+            return f"lower --max_cache_size={kvc.max_cache_size}"
+        return f"lower --max_memory_utilization={kvc.max_memory_utilization} or set --max_cache_size"
 
     @torch.inference_mode()
     def _capture_graphs(self, sizes: list[int]) -> None:
