@@ -25,6 +25,7 @@ logger = logging.getLogger("heterollm.cpu.graph")
 
 
 class CpuGraphRunner(GraphRunner):
+    """Decode-only steps through torch.compile (`--enable_graph`), compiled at start-up; the rest eager."""
 
     @classmethod
     def validate(cls, config) -> list[str]:
