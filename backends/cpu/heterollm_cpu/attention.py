@@ -73,6 +73,7 @@ class CpuAttentionMetadata(AttentionMetadata):
 
 
 class CpuPagedAttention(AttentionBackend):
+    """The reference paged attention (layout and kernels in the module docstring)."""
 
     @classmethod
     def validate(cls, config) -> list[str]:

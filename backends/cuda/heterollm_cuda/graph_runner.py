@@ -7,6 +7,7 @@ from heterollm.model_executor.graph_capture import DeviceGraphRunner, GraphOps, 
 
 
 class CudaGraphRunner(DeviceGraphRunner):
+    """The core's device-graph bookkeeping over torch.cuda.CUDAGraph."""
 
     def make_ops(self) -> GraphOps:
         return StreamGraphOps(torch.cuda, "CUDAGraph")

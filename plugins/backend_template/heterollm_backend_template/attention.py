@@ -10,6 +10,7 @@ from heterollm.interfaces import AttentionBackend, AttentionInputs, AttentionMet
 
 
 class TemplateAttention(AttentionBackend):
+    """One sequence at a time over a flat slot-per-row cache, no scratch block."""
 
     @classmethod
     def validate(cls, config) -> list[str]:

@@ -9,6 +9,7 @@ from heterollm.interfaces import AttentionBackend, AttentionInputs, AttentionMet
 
 
 class ExampleAttention(AttentionBackend):
+    """Explicit softmax(QK^T)V per sequence in fp32 (a cross-check of the CPU kernel)."""
 
     @classmethod
     def validate(cls, config) -> list[str]:
