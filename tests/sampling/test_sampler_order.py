@@ -4,6 +4,8 @@ of the model's own distribution, before penalties and temperature. Expected valu
 transformers' logits warpers, a float64 log-softmax, or a case worked by hand."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
@@ -85,3 +87,49 @@ def test_logprobs_ignore_temperature_masks_and_penalties(params):
     assert lp.token_id == tokens[0]
     assert lp.logprob == pytest.approx(raw[tokens[0]].item(), abs=1e-5)
     assert lp.top[0][0] == int(raw.argmax()) and lp.top[0][1] == pytest.approx(raw.max().item(), abs=1e-5)
+
+
+# -- edges the mutation run found untested (tests/MUTATION.md) --------------------------------------
+
+def test_penalties_apply_to_every_row_that_asks():
+    from heterollm.sampling.sampler import apply_penalties
+
+    logits = torch.tensor([[0.5, 2.0, -1.0, 0.0]]).repeat(4, 1)
+    rows = [row(SamplingParams()),                                          # no penalty: untouched
+            row(SamplingParams(repetition_penalty=2.0), prompt=[0, 2]),     # 0.5 -> 0.25, -1 -> -2
+            row(SamplingParams(presence_penalty=0.5), out=[1, 1]),          # presence alone: 2 - 0.5
+            row(SamplingParams(frequency_penalty=0.25), out=[1, 1, 3])]     # frequency alone: 2 - 0.5, 0 - 0.25
+    out = apply_penalties(logits.clone(), rows)
+    assert out.tolist() == [[0.5, 2.0, -1.0, 0.0], [0.25, 2.0, -2.0, 0.0], [0.5, 1.5, -1.0, 0.0],
+                            [0.5, 1.5, -1.0, -0.25]]
+
+
+def test_top_p_boundary_is_inclusive():
+    # float64 p = [0.5, 0.25, 0.125, 0.125] exactly: the smallest set holding >= top_p of the mass
+    logits = torch.tensor([[0.0, -math.log(2), -2 * math.log(2), -2 * math.log(2)]], dtype=torch.float64)
+    assert logits.softmax(-1).tolist() == [[0.5, 0.25, 0.125, 0.125]]
+    assert kept(mask(logits, 0, 0.5)) == [[0]]
+    assert kept(mask(logits, 0, 0.75)) == [[0, 1]]
+    assert kept(hf_mask(logits, 0, 0.5, 0.0)) == [[0]] and kept(hf_mask(logits, 0, 0.75, 0.0)) == [[0, 1]]
+
+
+def test_disabled_masks_leave_the_logits_untouched():
+    # -200 underflows to probability 0 in float32: a nucleus of "everything" must still keep it
+    logits = torch.tensor([[0.0, -200.0, 1.0, -50.0]])
+    assert torch.equal(mask(logits, 0, 1.0, 0.0), logits)
+
+
+def test_ranks_and_alternatives_per_row():
+    # row 0: repetition_penalty 10 on tokens 0 and 2 makes greedy pick token 3, third in the
+    # model's own order; row 1 asks for no alternatives; row 2 for one
+    logits = torch.tensor([[5.0, 1.0, 4.0, 3.0], [0.0, 2.0, 1.0, 3.0], [1.0, 0.0, 3.0, 2.0]])
+    rows = [row(SamplingParams(temperature=0, repetition_penalty=10.0, logprobs=2), prompt=[0, 2]),
+            row(SamplingParams(temperature=0, logprobs=0)),
+            row(SamplingParams(temperature=0, logprobs=1))]
+    tokens, lps = Sampler()(logits.clone(), rows)
+    raw = logits.double().log_softmax(-1)
+    assert tokens == [3, 3, 2]
+    assert [lp.rank for lp in lps] == [3, 1, 1]
+    assert [[t for t, _ in lp.top] for lp in lps] == [[0, 2], [], [2]]
+    assert [lp.logprob for lp in lps] == pytest.approx([raw[0, 3].item(), raw[1, 3].item(), raw[2, 2].item()],
+                                                       abs=1e-6)
