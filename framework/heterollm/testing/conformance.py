@@ -9,7 +9,8 @@ Checks (each names the component it exercises):
     range the core implements, and `validate` a default config without complaint;
   - attention: paged attention over mixed batches (prefill, chunked prefill over cached context,
     decode) on shuffled block tables of a NaN-filled cache, against a float64 dense reference, for
-    several block sizes;
+    several block sizes; the metadata's declared fields (what graph runners read) match the step;
+    a scratch block, if the layout has one, is no sequence's block;
   - dtypes: every dtype the platform says it supports (`supports_dtype`) runs that attention
     within the dtype's tolerance, and `--dtype auto` never picks one it does not support;
   - sampler: temperature / top-k / top-p / min-p / penalties / seeded draws on logits of the
@@ -127,6 +128,35 @@ def test_paged_attention_matches_dense_reference(target, block_size):
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
 
+def check_metadata(meta, inputs) -> None:
+    """The declared fields a graph runner reads and copies into its static buffers say what the
+    step's inputs say (the padding of block_tables past each sequence's blocks is the backend's)."""
+    bs, seq_lens = inputs.block_size, [c + q for c, q in zip(inputs.context_lens, inputs.query_lens)]
+    slots = [t[p // bs] * bs + p % bs for t, c, n in zip(inputs.block_tables, inputs.context_lens, seq_lens)
+             for p in range(c, n)]
+    assert meta.block_size == bs and meta.num_tokens == sum(inputs.query_lens)
+    assert (meta.num_prefill_tokens, meta.num_decode_tokens) == (inputs.num_prefill_tokens, inputs.num_decode_tokens)
+    assert meta.decode_only == (inputs.num_prefill_tokens == 0)
+    assert meta.slot_mapping.cpu().tolist() == slots and meta.seq_lens.cpu().tolist() == seq_lens
+    assert meta.query_start_loc.cpu().tolist() == [sum(inputs.query_lens[:i]) for i in range(len(seq_lens) + 1)]
+    tables = meta.block_tables.cpu().tolist()
+    assert all(row[:len(t)] == t for row, t in zip(tables, inputs.block_tables)) and len(tables) == len(seq_lens)
+    if meta.decode_only:  # what a compiling graph runner marks dynamic
+        assert all(isinstance(t, torch.Tensor) and isinstance(d, int) for t, d in meta.dynamic_dims())
+
+
+def check_scratch_block(backend, num_blocks: int = 12, block_size: int = 4) -> None:
+    """A scratch block, where the layout has one, is not one of the sequences' blocks."""
+    cache = torch.empty(backend.kv_cache_shape(num_blocks, block_size, KV, D), device="meta")
+    scratch = backend.scratch_block(cache)
+    assert scratch is None or (isinstance(scratch, int) and scratch >= num_blocks), f"scratch block {scratch}"
+
+
+def test_attention_scratch_block_is_no_sequences_block(target):
+    _, selection = target
+    check_scratch_block(selection.component("attention")())
+
+
 def check_paged_attention(backend, device: torch.device, block_size: int, steps: int = 10,
                           dtype: torch.dtype = torch.float32) -> None:
     """Mixed steps (prefill, chunked prefill over cached context, decode; decode-only steps too) on
@@ -151,8 +181,9 @@ def check_paged_attention(backend, device: torch.device, block_size: int, steps:
                 s["table"].append(free.pop())
             q_lens.append(n)
             ctx_lens.append(ctx)
-        meta = backend.build_metadata(AttentionInputs(q_lens, ctx_lens, [list(s["table"]) for s in seqs], block_size),
-                                      device)
+        inputs = AttentionInputs(q_lens, ctx_lens, [list(s["table"]) for s in seqs], block_size)
+        meta = backend.build_metadata(inputs, device)
+        check_metadata(meta, inputs)
         total = sum(q_lens)
         q, k, v = (torch.randn(total, h, D, generator=gen).to(dtype) for h in (H, KV, KV))
         out = backend.forward(q.to(device), k.to(device), v.to(device), cache, meta, scale).cpu()
