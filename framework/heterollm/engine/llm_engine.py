@@ -11,6 +11,7 @@ import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from heterollm.config import HeterollmConfig
@@ -65,6 +66,8 @@ class LLMEngine:
         events go to the base ports + dp_rank)."""
         self.config = config
         self.dp_rank = dp_rank
+        self._reservation: tuple[str, Path] | None = None
+        """(key, registry file) of this engine's entry in the host's memory registry, until shutdown."""
         self.selection = launch_selection(config, lambda: self._resolve_model().architectures)
         self.plugins = make_plugin_manager()
         """The general plugins' request hooks (`heterollm.plugins`), built once per engine."""
@@ -118,7 +121,7 @@ class LLMEngine:
         return self.kv.pool.num_touched * self.kv_plan.bytes_per_block
 
     def _release_reservation(self) -> None:
-        if getattr(self, "_reservation", None) is not None:
+        if self._reservation is not None:
             release(*self._reservation)
             self._reservation = None
 
