@@ -127,7 +127,8 @@ class ModelRunner:
             method = select_linear_method(self.config.fastdeploy.quantization)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        cls = get_model_class(self.source.architectures, str(self.source.gguf_file or self.source.folder))
+        cls = get_model_class(self.launch.selection, self.source.architectures,
+                              str(self.source.gguf_file or self.source.folder))
         started = time.perf_counter()
         with torch.device(self.device):
             previous = torch.get_default_dtype()
