@@ -111,16 +111,12 @@ def _comm_worker(rank: int, world: int, port: int, batch: int, q) -> None:
 def sample_batch(batch: int):
     """A decode step's SchedulerOutput as the engine builds it: `batch` requests with 64 prompt and
     64 generated tokens each."""
-    from heterollm.scheduler.request import Request
-    from heterollm.interfaces import ScheduledRequest, SchedulerOutput
+    from heterollm.interfaces import SamplingInfo, ScheduledRequest, SchedulerOutput
     from heterollm.sampling import SamplingParams
 
-    items = []
-    for i in range(batch):
-        r = Request(f"req-{i}", list(range(1000, 1064)), SamplingParams(max_tokens=128, temperature=0))
-        r.output_token_ids = list(range(2000, 2064))
-        items.append(ScheduledRequest(r.request_id, [5], 127, list(range(8 * i, 8 * i + 8)), True, r,
-                                      r.output_token_ids, r.prompt_token_ids))
+    sampling = SamplingInfo(SamplingParams(max_tokens=128, temperature=0))
+    items = [ScheduledRequest(f"req-{i}", [5], 127, list(range(8 * i, 8 * i + 8)), True, sampling,
+                              list(range(2000, 2064)), list(range(1000, 1064))) for i in range(batch)]
     return SchedulerOutput(items, [])
 
 
