@@ -13,9 +13,28 @@ import pytest
 
 def pytest_configure(config):
     """Converted model metadata goes to a per-run folder, not the user's cache (tests stay hermetic;
-    subprocesses inherit it)."""
+    subprocesses inherit it).
+
+    The engines this test process builds in-process (dozens, sized from the host's memory, some kept
+    for a whole module) record their KV reservations in a registry of this process's own, not in the
+    run's host registry: otherwise the CLIs and servers the tests start as subprocesses would find
+    the host taken by engines that only exist to be inspected. Tests of the host registry itself opt
+    back in with the `host_registry` fixture."""
     import tempfile
     os.environ.setdefault("HETEROLLM_CACHE_DIR", tempfile.mkdtemp(prefix="heterollm-test-cache-"))
+    from heterollm.engine import reservations
+
+    private = Path(tempfile.mkdtemp(prefix="heterollm-test-registry-")) / "in-process.json"
+    reservations.shared_registry_path = reservations.registry_path
+    reservations.registry_path = lambda: private
+
+
+@pytest.fixture
+def host_registry(monkeypatch):
+    """The run's host registry (the one subprocesses use) for this test's in-process engines."""
+    from heterollm.engine import reservations
+
+    monkeypatch.setattr(reservations, "registry_path", reservations.shared_registry_path)
 
 
 @dataclass

@@ -188,7 +188,7 @@ def start_instance(flags: dict) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
-def test_instances_with_max_cache_size_are_honoured_and_the_third_warns(tiny, caplog, monkeypatch):
+def test_instances_with_max_cache_size_are_honoured_and_the_third_warns(tiny, caplog, monkeypatch, host_registry):
     """Two instances with --max_cache_size=400 MiB on a 1 GiB budget (0.5 x 2 GiB) fit; a third
     warns with the numbers and keeps its cap; one whose share cannot hold a sequence is refused."""
     flags = {"model": str(tiny), **SMALL, "max_memory_utilization": 0.5, "max_cache_size": 400 * MiB}

@@ -18,7 +18,7 @@ from heterollm.config import HeterollmConfig
 from heterollm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from heterollm.scheduler.request import Request, RequestRejected
 from heterollm.engine.memory_budget import KVPlan, KVSizing, mib, plan_kv_cache, plan_warnings
-from heterollm.engine.reservations import host_registry, registry_path, release
+from heterollm.engine import reservations
 from heterollm.engine.step_profiler import StepProfiler
 from heterollm.interfaces import RunnerOutput, SchedulerOutput
 from heterollm.kv_cache import KVCacheManager
@@ -94,8 +94,8 @@ class LLMEngine:
         sizing = KVSizing(kvc.max_memory_utilization, kvc.max_cache_size, config.fastdeploy.num_gpu_blocks_override,
                           config.parallel.dp_size, max_len, kvc.block_size)
         profiles = self.executor.memory_profile()
-        self._reservation = (f"{id(self)}", registry_path())
-        with host_registry(self._reservation[1]) as host:
+        self._reservation = (f"{id(self)}", reservations.registry_path())
+        with reservations.host_registry(self._reservation[1]) as host:
             plan = plan_kv_cache(profiles, sizing, host.others())
             held = host.mine()
             host.hold(self._reservation[0], plan.reserved())
@@ -122,7 +122,7 @@ class LLMEngine:
 
     def _release_reservation(self) -> None:
         if self._reservation is not None:
-            release(*self._reservation)
+            reservations.release(*self._reservation)
             self._reservation = None
 
     def _resolve_model(self) -> ModelSource:
