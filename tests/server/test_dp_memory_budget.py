@@ -22,10 +22,13 @@ SMALL = dict(dtype="float32", block_size=16, max_model_len=128, max_tokens_per_b
 
 
 @pytest.fixture
-def host_of_1gib(monkeypatch):
-    """The CPU platform reports a 1 GiB host, so the budget does not depend on this machine."""
+def host_of_1gib(monkeypatch, tmp_path):
+    """The CPU platform reports a 1 GiB host, so the budget does not depend on this machine, and the
+    host registry is a fresh one, so what this process's earlier engines hold does not count."""
+    from heterollm.engine import reservations
     from heterollm_cpu.platform import CpuPlatform
     monkeypatch.setattr(CpuPlatform, "memory_info", lambda self, device=None: (TOTAL, TOTAL))
+    monkeypatch.setattr(reservations, "registry_path", lambda: tmp_path / "host.json")
 
 
 def replicas(folder, **flags):
