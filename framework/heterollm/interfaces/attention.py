@@ -1,4 +1,4 @@
-"""AttentionBackend: paged attention over the KV cache (entry-point group `heterollm.attention`)."""
+"""AttentionBackend: paged attention over the KV cache (a backend's `components["attention"]`)."""
 from __future__ import annotations
 
 from abc import abstractmethod

@@ -1,4 +1,4 @@
-"""Communicator: collectives for tensor parallelism (entry-point group `heterollm.communicators`)."""
+"""Communicator: collectives for tensor parallelism (a backend's `components["communicators"]`)."""
 from __future__ import annotations
 
 from abc import abstractmethod

@@ -1,4 +1,4 @@
-"""GraphRunner: captured decode graphs (entry-point group `heterollm.graph_runners`)."""
+"""GraphRunner: captured decode graphs (a backend's `components["graph_runners"]`)."""
 from __future__ import annotations
 
 from abc import abstractmethod

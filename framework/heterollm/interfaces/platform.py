@@ -1,4 +1,4 @@
-"""Platform: one per device kind (entry-point group `heterollm.platforms`)."""
+"""Platform: one per device kind (a backend descriptor's `platform`)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

@@ -103,7 +103,7 @@ def test_registration_and_contract_range(target):
     assert selection.platform.validate(config) == []
     free, total = selection.platform.memory_info()
     assert 0 <= free <= total, "memory_info is (free, total) bytes"
-    assert API_VERSION  # the registry checked the backend's __heterollm_api__ against it
+    assert API_VERSION  # the registry checked the backend descriptor's api_version against it
 
 
 # -- attention -------------------------------------------------------------------------------------
