@@ -33,52 +33,50 @@ def test_backend_passes_the_kit(device):
         assert reason in r.stdout
 
 
-def with_plugin(tmp_path, name: str, source: str) -> dict:
-    """An environment in which `-p name` loads `source` into the kit's process first."""
+def kit_with_plugin(tmp_path, name: str, source: str, device: str, check: str) -> str:
+    """Run the kit's `check` on `device` with `source` loaded into its process first (`-p name`),
+    as a broken backend would be; asserts the run fails and returns its output."""
     (tmp_path / f"{name}.py").write_text(source)
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    r = run_kit("--heterollm-device", device, "-p", name, "-k", check, env=env)
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    return r.stdout
 
 
 def test_the_kit_catches_a_broken_kernel(tmp_path):
     """A backend whose attention ignores the cached context fails the attention check, by name."""
-    env = with_plugin(tmp_path, "broken_kernel",
-                      "import heterollm_backend_template.attention as a\n"
-                      "orig = a.TemplateAttention.forward\n"
-                      "def broken(self, q, k, v, cache, meta, scale):\n"
-                      "    meta.context_lens = [0] * len(meta.context_lens)\n"
-                      "    return orig(self, q, k, v, cache, meta, scale)\n"
-                      "a.TemplateAttention.forward = broken\n")
-    r = run_kit("--heterollm-device", "template", "-p", "broken_kernel", "-k", "attention", env=env)
-    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "FAILED" in r.stdout and "test_paged_attention_matches_dense_reference" in r.stdout
+    out = kit_with_plugin(tmp_path, "broken_kernel",
+                          "import heterollm_backend_template.attention as a\n"
+                          "orig = a.TemplateAttention.forward\n"
+                          "def broken(self, q, k, v, cache, meta, scale):\n"
+                          "    meta.context_lens = [0] * len(meta.context_lens)\n"
+                          "    return orig(self, q, k, v, cache, meta, scale)\n"
+                          "a.TemplateAttention.forward = broken\n", "template", "attention")
+    assert "FAILED" in out and "test_paged_attention_matches_dense_reference" in out
 
 
 def test_the_kit_catches_a_device_mixing_sampler(tmp_path):
     """A sampler that builds its temperatures on the CPU (issue 18 defect 1) works on a CPU and
     crashes on an accelerator's first sampled request; the kit fails it on a CPU-only machine."""
-    env = with_plugin(tmp_path, "mixing_sampler",
-                      "import torch\n"
-                      "import heterollm.sampling.sampler as s\n"
-                      "orig = s.sample_rows\n"
-                      "def sample_rows(logits, rows):\n"
-                      "    temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)  # CPU\n"
-                      "    return orig(logits / temps.unsqueeze(1) * temps.unsqueeze(1), rows)\n"
-                      "s.sample_rows = sample_rows\n")
-    r = run_kit("--heterollm-device", "cpu", "-p", "mixing_sampler", "-k", "sampler", env=env)
-    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "FAILED" in r.stdout and "test_sampler_keeps_every_tensor_on_the_logits_device" in r.stdout
-    assert "DeviceMixingError" in r.stdout
+    out = kit_with_plugin(tmp_path, "mixing_sampler",
+                          "import torch\n"
+                          "import heterollm.sampling.sampler as s\n"
+                          "orig = s.sample_rows\n"
+                          "def sample_rows(logits, rows):\n"
+                          "    temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)  # CPU\n"
+                          "    return orig(logits / temps.unsqueeze(1) * temps.unsqueeze(1), rows)\n"
+                          "s.sample_rows = sample_rows\n", "cpu", "sampler")
+    assert "FAILED" in out and "test_sampler_keeps_every_tensor_on_the_logits_device" in out
+    assert "DeviceMixingError" in out
 
 
 def test_the_kit_catches_a_graph_runner_that_never_replays(tmp_path):
     """A runner that says it can replay but runs every step eagerly (on a GPU: zero captures)
     fails the graph check."""
-    env = with_plugin(tmp_path, "lazy_runner",
-                      "import heterollm_cpu.graph_runner as g\n"
-                      "g.CpuGraphRunner.run = lambda self, forward, inputs: forward(inputs)\n")
-    r = run_kit("--heterollm-device", "cpu", "-p", "lazy_runner", "-k", "graph_runner", env=env)
-    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "every replayable decode step replayed" in r.stdout
+    out = kit_with_plugin(tmp_path, "lazy_runner",
+                          "import heterollm_cpu.graph_runner as g\n"
+                          "g.CpuGraphRunner.run = lambda self, forward, inputs: forward(inputs)\n", "cpu", "graph_runner")
+    assert "every replayable decode step replayed" in out
 
 
 def test_the_template_is_never_picked_by_auto():
