@@ -6,8 +6,10 @@ from typing import Any
 
 from heterollm.config import load_config
 from heterollm.config.checks import check_single_replica
+from heterollm.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, run_beam_search
 from heterollm.engine.llm_engine import LLMEngine
 from heterollm.engine.outputs import RequestOutput
+from heterollm.interfaces import TokenLogprobs
 from heterollm.sampling import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
@@ -67,6 +69,27 @@ class LLM:
             batch.append((None, ids, sp))
         return self._run(batch)
 
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's `LLM.beam_search`): per prompt, the best `params.beam_width` sequences,
+        best first. Every round runs one one-token request per live beam of every prompt in one
+        continuous batch (see heterollm.engine.beam_search). A prompt that leaves no room for
+        `max_tokens` raises ValueError naming max_tokens before anything runs."""
+        items = [prompts] if _is_single_prompt(prompts) else list(prompts)
+        encoded = [self.engine.tokenize_prompt(p)[1] for p in items]
+        for ids in encoded:
+            if len(ids) + params.max_tokens > self.engine.max_model_len:
+                raise ValueError(f"max_tokens: a prompt of {len(ids)} tokens + max_tokens={params.max_tokens} is "
+                                 f"more than max_model_len={self.engine.max_model_len}")
+        search = BeamSearch(encoded, params, self.engine.eos_token_ids)
+        step = params.step_params()
+
+        def run_round(token_id_lists: list[list[int]]) -> list[TokenLogprobs]:
+            outs = self._run([(None, ids, step) for ids in token_id_lists])
+            return [_first_logprobs(out) for out in outs]
+
+        run_beam_search(search, run_round)
+        return search.outputs(lambda ids: self.engine.tokenizer.decode(ids, skip_special_tokens=True))
+
     def _run(self, batch: list[tuple[str | None, list[int], SamplingParams]],
              priorities: list[int] | None = None) -> list[RequestOutput]:
         order = []
@@ -94,3 +117,17 @@ class LLM:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _is_single_prompt(prompts: Any) -> bool:
+    return isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
+                                                 and isinstance(prompts[0], int))
+
+
+def _first_logprobs(out: RequestOutput) -> TokenLogprobs:
+    """The logprobs of a one-token request's token (with its top alternatives)."""
+    completion = out.outputs[0]
+    if not completion.logprobs:
+        raise RuntimeError(f"beam search: request {out.request_id} ended without a token "
+                           f"(finish_reason={completion.finish_reason!r})")
+    return completion.logprobs[0]
