@@ -41,12 +41,34 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    """OpenAI's: token id -> a finite bias added to that token's logit before sampling (over HTTP
+    clamped to [-100, 100]); ids outside the vocabulary are refused at admission."""
+    allowed_token_ids: list[int] | None = None
+    """vLLM's: only these tokens may be sampled (non-empty; in the vocabulary)."""
+    bad_words: list[str] = field(default_factory=list)
+    """vLLM's: words never generated. Each is tokenized as-is and with a leading space at admission;
+    a one-token word's token is banned, a longer word's last token is banned right after the
+    generated tokens end with its other tokens."""
+    truncate_prompt_tokens: int | None = None
+    """vLLM's: keep only the last k prompt tokens (k >= 1; -1: max_model_len)."""
+    best_of: int | None = None
+    """vLLM v0's: sample best_of (>= n) sequences, return the n with the highest cumulative logprob
+    (None: n)."""
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False, compare=False)
+    """Set by the engine at admission: the token ids of each bad word's variants."""
+    all_stop_token_ids: list[int] = field(default_factory=list, init=False, repr=False, compare=False)
+    """The tokens min_tokens masks until it is reached: stop_token_ids, plus (set by the engine at
+    admission) the model's EOS ids unless ignore_eos."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.all_stop_token_ids = list(self.stop_token_ids)
+        if self.bad_words is None:
+            self.bad_words = []
         if self.top_k == -1:
             self.top_k = 0
         self._check()
@@ -69,7 +91,10 @@ class SamplingParams:
              "must be a finite number > 0")
         need(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
         need(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
-        need(self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed and self.seed + self.n <= 2**63),
+        need(self.best_of is None or (_is_int(self.best_of) and self.best_of >= self.n), "best_of",
+             "must be an integer >= n")
+        need(self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed
+                                   and self.seed + self.num_sequences <= 2**63),
              "seed", "must be an integer that fits in 64 bits (signed)")
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
@@ -78,6 +103,33 @@ class SamplingParams:
              "must be an integer in [0, 20]")
         need(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
              "prompt_logprobs", "must be an integer in [0, 20]")
+        need(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+            _is_int(k) and k >= 0 and _is_number(v) and math.isfinite(v) for k, v in self.logit_bias.items())),
+             "logit_bias", "must map non-negative integer token ids to finite numbers")
+        need(self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
+                                                and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)),
+             "allowed_token_ids", "must be a non-empty list of non-negative integers")
+        need(isinstance(self.bad_words, list) and all(isinstance(w, str) and w.strip() for w in self.bad_words),
+             "bad_words", "must be a list of strings that are not blank")
+        need(self.truncate_prompt_tokens is None or (_is_int(self.truncate_prompt_tokens) and (
+            self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)), "truncate_prompt_tokens",
+             "must be -1 (max_model_len) or an integer >= 1")
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences sampled for the request: best_of, or n."""
+        return self.n if self.best_of is None else self.best_of
+
+    @property
+    def needs_cumulative_logprob(self) -> bool:
+        """best_of > n ranks its sequences by cumulative logprob, asked for or not."""
+        return self.num_sequences > self.n
+
+    @property
+    def has_logits_processors(self) -> bool:
+        """Whether the sampler masks or biases this request's logits (min_tokens decides per step)."""
+        return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words_token_ids
+                    or (self.min_tokens and self.all_stop_token_ids))
 
     @property
     def greedy(self) -> bool:
@@ -86,3 +138,11 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

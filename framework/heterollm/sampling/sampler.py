@@ -42,6 +42,62 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     return logits
 
 
+def _banned_tokens(row: SamplingRow, vocab: int) -> list[int]:
+    """One row's tokens banned at this step: the last token of each bad word whose other tokens end
+    the output (a one-token word: always), and the stop tokens while min_tokens is not reached."""
+    p, out = row.params, row.output_token_ids
+    banned = [word[-1] for word in p.bad_words_token_ids
+              if len(word) == 1 or out[1 - len(word):] == word[:-1]]
+    if len(out) < p.min_tokens:
+        banned += p.all_stop_token_ids
+    return [t for t in banned if t < vocab]
+
+
+def apply_logits_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """allowed_token_ids, bad_words and min_tokens as masks to -inf, then logit_bias added, for the
+    whole batch `logits` (rows, vocab): the (row, token) index lists are gathered per row, then one
+    masked_fill and one index_put. Returns a new tensor (the input is left as it is); every tensor
+    it builds lives on `logits.device`."""
+    todo = [i for i, r in enumerate(rows) if r.params.has_logits_processors]
+    if not todo:
+        return logits
+    vocab, device = logits.shape[-1], logits.device
+    restricted: list[int] = []
+    allow: tuple[list[int], list[int]] = ([], [])
+    ban: tuple[list[int], list[int]] = ([], [])
+    bias: tuple[list[int], list[int], list[float]] = ([], [], [])
+    for i in todo:
+        p = rows[i].params
+        if p.allowed_token_ids is not None:
+            restricted.append(i)
+            allow[0].extend([i] * len(p.allowed_token_ids))
+            allow[1].extend(p.allowed_token_ids)
+        banned = _banned_tokens(rows[i], vocab)
+        ban[0].extend([i] * len(banned))
+        ban[1].extend(banned)
+        for token, value in (p.logit_bias or {}).items():
+            bias[0].append(i)
+            bias[1].append(token)
+            bias[2].append(value)
+
+    def index(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    if restricted or ban[0]:
+        # mask: (rows, vocab), True where the token may not be sampled
+        mask = torch.zeros(logits.shape, dtype=torch.bool, device=device)
+        if restricted:
+            mask[index(restricted)] = True
+            mask[index(allow[0]), index(allow[1])] = False
+        if ban[0]:
+            mask[index(ban[0]), index(ban[1])] = True
+        logits = logits.masked_fill(mask, float("-inf"))
+    if bias[0]:
+        logits = logits.index_put((index(bias[0]), index(bias[1])),
+                                  torch.tensor(bias[2], dtype=logits.dtype, device=device), accumulate=True)
+    return logits
+
+
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                             min_p: torch.Tensor) -> torch.Tensor:
     """Mask (to -inf) tokens outside top-k (0 = off), outside the top-p nucleus, or below
@@ -106,8 +162,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
         logits = logits.float()
-        want_lp = [r.params.logprobs is not None for r in rows]
+        want_lp = [r.params.logprobs is not None or r.params.needs_cumulative_logprob for r in rows]
         raw_logprobs = logits.log_softmax(-1) if any(want_lp) else None
+        logits = apply_logits_processors(logits, rows)
         if any(r.params.has_penalties for r in rows):
             logits = apply_penalties(logits.clone(), rows)
         chosen = logits.argmax(-1)
