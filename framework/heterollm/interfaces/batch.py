@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from heterollm.sampling import SamplingParams
 
 
@@ -37,6 +39,8 @@ class ScheduledRequest:
     prompt_token_ids: list[int] = field(default_factory=list)
     """The full prompt (for penalties and prompt logprobs)."""
     want_prompt_logprobs: bool = False
+    grammar_row: int | None = None
+    """Structured output: this request's row of SchedulerOutput.grammar_bitmask (None: no grammar)."""
 
 
 @dataclass
@@ -46,6 +50,9 @@ class SchedulerOutput:
     requests: list[ScheduledRequest]
     finished_request_ids: list[str] = field(default_factory=list)
     """Requests that ended since the last step (their per-request state can be dropped)."""
+    grammar_bitmask: torch.Tensor | None = None
+    """(rows, ceil(vocab / 32)) int32, packed as xgrammar packs it: the tokens each sampled request
+    with a grammar may take this step (see ScheduledRequest.grammar_row); None when none has one."""
 
     @property
     def num_tokens(self) -> int:

@@ -97,6 +97,16 @@ class LaunchContext:
     """The rank's communicator (None for a single rank: its collectives are no-ops)."""
 
 
+def _bitmask_rows(bitmask: torch.Tensor | None, reqs: list[ScheduledRequest]) -> torch.Tensor | None:
+    """The sampled rows' grammar masks, in their order; a row without a grammar allows every token."""
+    if bitmask is None:
+        return None
+    index = torch.tensor([-1 if r.grammar_row is None else r.grammar_row for r in reqs])
+    rows = bitmask[index.clamp(min=0)]
+    rows[index < 0] = -1
+    return rows
+
+
 class ModelRunner:
     def __init__(self, launch: LaunchContext, rank: int | None = None, world_size: int | None = None,
                  communicator: Communicator | None = None) -> None:
@@ -264,7 +274,7 @@ class ModelRunner:
         hidden = self.graph_runner.run(self._forward, inputs)
         t2 = time.perf_counter()
         ends = torch.tensor([len(r.new_token_ids) for r in reqs]).cumsum(0).tolist()
-        sampled = self._sample(reqs, hidden, ends)
+        sampled = self._sample(reqs, hidden, ends, so.grammar_bitmask)
         prompt_lps: list[list[TokenLogprobs | None] | None] = [None] * len(reqs)
         for i, r in enumerate(reqs):
             if r.want_prompt_logprobs:
@@ -292,9 +302,10 @@ class ModelRunner:
         ctx = ForwardContext(self.attn_backend, meta, self.kv_caches)
         return StepInputs(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), ctx)
 
-    def _sample(self, reqs: list[ScheduledRequest], hidden: torch.Tensor,
-                ends: list[int]) -> dict[int, tuple[int, TokenLogprobs | None]]:
-        """Sample the requests that finish their step's tokens: batch index -> (token, logprobs)."""
+    def _sample(self, reqs: list[ScheduledRequest], hidden: torch.Tensor, ends: list[int],
+                grammar_bitmask: torch.Tensor | None = None) -> dict[int, tuple[int, TokenLogprobs | None]]:
+        """Sample the requests that finish their step's tokens: batch index -> (token, logprobs).
+        Requests with a grammar sample under their row of `grammar_bitmask`."""
         sample_idx = [i for i, r in enumerate(reqs) if r.sample]
         if not sample_idx:
             return {}
@@ -302,7 +313,7 @@ class ModelRunner:
         logits = self.model.compute_logits(rows_h)
         rows = [SamplingRow(reqs[i].sampling.params, self._generator(reqs[i]), reqs[i].prompt_token_ids,
                             reqs[i].output_token_ids) for i in sample_idx]
-        tokens, lps = self.sampler(logits, rows)
+        tokens, lps = self.sampler(logits, rows, _bitmask_rows(grammar_bitmask, [reqs[i] for i in sample_idx]))
         return {i: (t, lp) for i, t, lp in zip(sample_idx, tokens, lps)}
 
     def _prompt_logprobs(self, r: ScheduledRequest, hidden: torch.Tensor) -> list[TokenLogprobs | None]:

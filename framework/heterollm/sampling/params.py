@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from heterollm.sampling.structured import StructuredOutputsParams
+
 
 class SamplingParamsError(ValueError):
     """A bad sampling parameter; `field` names it (HTTP 400 / CLI exit 2)."""
@@ -55,6 +57,10 @@ class SamplingParams:
     best_of: int | None = None
     """vLLM v0's: sample best_of (>= n) sequences, return the n with the highest cumulative logprob
     (None: n)."""
+    structured_outputs: StructuredOutputsParams | dict | None = None
+    """vLLM's: constrain the output to a JSON schema, any JSON object, a regex, a choice, a grammar
+    or a structural tag (a StructuredOutputsParams, or a dict of its fields); needs
+    --guided_decoding_backend auto or xgrammar."""
     bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False, compare=False)
     """Set by the engine at admission: the token ids of each bad word's variants."""
     all_stop_token_ids: list[int] = field(default_factory=list, init=False, repr=False, compare=False)
@@ -71,6 +77,15 @@ class SamplingParams:
             self.bad_words = []
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            known = set(StructuredOutputsParams.__dataclass_fields__)
+            unknown = sorted(set(self.structured_outputs) - known)
+            if unknown:
+                raise SamplingParamsError(f"structured_outputs.{unknown[0]}", "is not a structured output field "
+                                          f"(known: {', '.join(sorted(known - {'origin'}))})")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise SamplingParamsError("structured_outputs", "must be a StructuredOutputsParams or a dict of its fields")
         self._check()
 
     def _check(self) -> None:

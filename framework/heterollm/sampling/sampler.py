@@ -137,6 +137,22 @@ def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: list[
     return out
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every token a row's grammar forbids. `bitmask` (rows, words) int32, packed as
+    xgrammar packs it: bit j of word w allows token 32w + j (a row of -1 allows everything; tokens
+    past the mask's width are forbidden). Torch ops only, on `logits.device`."""
+    rows, vocab = logits.shape
+    device = logits.device
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    bits = (bitmask.to(device=device, dtype=torch.int32).unsqueeze(-1) >> shifts) & 1  # (rows, words, 32)
+    allowed = bits.flatten(1).bool()
+    if allowed.shape[1] >= vocab:
+        allowed = allowed[:, :vocab]
+    else:
+        allowed = torch.cat([allowed, allowed.new_zeros(rows, vocab - allowed.shape[1])], 1)
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 def sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """One token per row of `logits` (rows, vocab): temperature, top-k / top-p / min-p, then a draw
     with each row's own generator. Every tensor it builds lives on `logits.device`."""
@@ -160,8 +176,13 @@ class Sampler:
     """Turns a step's logits (rows, vocab), on any device, into one token per row plus the
     logprobs each row asked for."""
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 bitmask: torch.Tensor | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """`bitmask`: the rows' packed grammar masks (structured output), or None; reported
+        logprobs are those of the constrained distribution, as vLLM reports them."""
         logits = logits.float()
+        if bitmask is not None:
+            logits = apply_token_bitmask(logits, bitmask)
         want_lp = [r.params.logprobs is not None or r.params.needs_cumulative_logprob for r in rows]
         raw_logprobs = logits.log_softmax(-1) if any(want_lp) else None
         logits = apply_logits_processors(logits, rows)

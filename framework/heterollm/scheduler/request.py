@@ -6,6 +6,7 @@ import enum
 import functools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 from heterollm.interfaces import TokenLogprobs
 from heterollm.interfaces.batch import SamplingInfo
 from heterollm.sampling import SamplingParams
@@ -60,6 +61,9 @@ class Request:
     """Admitted because it had waited past the starvation threshold: not preempted for priority."""
     num_pending: int = 0
     """Tokens sampled by a step still in flight (--enable_schedule_overlap), not yet appended."""
+    grammar: Any = None
+    """Structured output: the sequence's GrammarState (sampling/structured.py); the scheduler holds
+    the request back until `grammar.ready` (its grammar has compiled)."""
 
     @functools.cached_property
     def sampling_info(self) -> SamplingInfo:

@@ -58,6 +58,9 @@ class Scheduler:
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
+        self.deferred: list[Request] = []
+        """Admitted requests whose grammar (structured output) is still compiling; they join
+        `waiting` at the first schedule after it is ready."""
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_since_last: list[str] = []
@@ -79,16 +82,26 @@ class Scheduler:
         if not self.config.enable_chunked_prefill and n > self.config.max_tokens_per_batch:
             raise RequestRejected("prompt", f"the prompt has {n} tokens, more than max_tokens_per_batch="
                                             f"{self.config.max_tokens_per_batch} with chunked prefill disabled")
-        if len(self.waiting) >= self.config.request_queue_size:
+        if len(self.waiting) + len(self.deferred) >= self.config.request_queue_size:
             raise RequestRejected("request", f"the request queue is full (request_queue_size="
                                              f"{self.config.request_queue_size}); retry later", status=429)
         if request.request_id in self.requests:
             raise RequestRejected("request_id", f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if request.grammar is not None and not request.grammar.ready:
+            self.deferred.append(request)
+        else:
+            self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.deferred)
+
+    def _release_deferred(self) -> None:
+        """Requests whose grammar has compiled join the waiting queue, in arrival order."""
+        if self.deferred:
+            ready = [r for r in self.deferred if r.grammar.ready]
+            self.deferred = [r for r in self.deferred if not r.grammar.ready]
+            self.waiting.extend(ready)
 
     def finish(self, request_id: str, reason: str) -> None:
         request = self.requests.pop(request_id, None)
@@ -98,6 +111,8 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        elif request in self.deferred:
+            self.deferred.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = request.finish_reason or reason
         self.kv.free(request_id)
@@ -118,6 +133,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         step = _Step(self.config.max_tokens_per_batch, self.config.max_seqs_per_batch, self.clock(),
                      self.config.enable_chunked_prefill)
+        self._release_deferred()
         self._order_waiting(step.now)
         step.protect = self.latency is not None and any(r.is_decoding for r in self.running)
         if not self.config.enable_mix_batch and self.waiting and self._waiting_fits():
