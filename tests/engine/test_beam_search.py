@@ -5,37 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from beam_reference import hf_beam_search
 from helpers import build_tiny_model, hf_greedy
 from heterollm import LLM
 from heterollm.engine.beam_search import BeamSearch, BeamSearchParams
 from heterollm.interfaces import TokenLogprobs
 
 PROMPTS = [[1, 9038, 2057, 253], [19556, 905, 28, 1115, 314]]
-
-
-def reference_beam_search(model, prompt: list[int], width: int, max_tokens: int, eos: int | None = None,
-                          length_penalty: float = 1.0) -> list[tuple[list[int], float, str]]:
-    """The spec, spelled out: each round every live beam offers its 2*width most likely next tokens;
-    an EOS offer finishes that beam (EOS dropped), the best `width` other offers live on; the finished
-    and the survivors are ranked by cum_logprob / len(prompt + generated) ** length_penalty."""
-    live = [(list(prompt), 0.0)]
-    finished = []
-    for _ in range(max_tokens):
-        offers = []
-        for tokens, cum in live:
-            with torch.no_grad():
-                logprobs = model(torch.tensor([tokens])).logits[0, -1].double().log_softmax(-1)
-            top = logprobs.topk(2 * width)
-            for token, lp in zip(top.indices.tolist(), top.values.tolist()):
-                if token == eos:
-                    finished.append((tokens, cum + lp, "stop"))
-                else:
-                    offers.append((tokens + [token], cum + lp))
-        offers.sort(key=lambda o: o[1], reverse=True)
-        live = offers[:width]
-    finished += [(tokens, cum, "length") for tokens, cum in live]
-    finished.sort(key=lambda f: f[1] / len(f[0]) ** length_penalty, reverse=True)
-    return finished[:width]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +45,7 @@ def test_beams_match_the_reference_on_transformers(llm, hf, length_penalty):
     assert len(outs) == 2
     for prompt, out in zip(PROMPTS, outs):
         assert len(out.sequences) == 3
-        assert_matches(out, reference_beam_search(hf, prompt, 3, 4, length_penalty=length_penalty))
+        assert_matches(out, hf_beam_search(hf, prompt, 3, 4, length_penalty=length_penalty))
         for s in out.sequences:
             assert s.output_token_ids == s.tokens[len(prompt):] and len(s.output_token_ids) == 4
             assert s.output_text == llm.get_tokenizer().decode(s.output_token_ids, skip_special_tokens=True)
@@ -100,7 +76,7 @@ def test_eos_finishes_a_beam_and_the_rest_search_on(tmp_path, hf, tiny):
         for keep in (False, True):
             out = llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=3, max_tokens=4,
                                                                  include_stop_str_in_output=keep))[0]
-            want = reference_beam_search(hf, PROMPTS[0], 3, 4, eos=eos)
+            want = hf_beam_search(hf, PROMPTS[0], 3, 4, eos=eos)
             assert "stop" in [w[2] for w in want] and "length" in [w[2] for w in want]  # the case is exercised
             assert [s.finish_reason for s in out.sequences] == [w[2] for w in want]
             for s, w in zip(out.sequences, want):
@@ -109,7 +85,7 @@ def test_eos_finishes_a_beam_and_the_rest_search_on(tmp_path, hf, tiny):
                 assert s.stop_reason == (eos if w[2] == "stop" else None)
                 assert s.output_text == llm.get_tokenizer().decode(w[0][len(PROMPTS[0]):], skip_special_tokens=True)
         ignored = llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=3, max_tokens=4, ignore_eos=True))[0]
-        assert [s.tokens for s in ignored.sequences] == [w[0] for w in reference_beam_search(hf, PROMPTS[0], 3, 4)]
+        assert [s.tokens for s in ignored.sequences] == [w[0] for w in hf_beam_search(hf, PROMPTS[0], 3, 4)]
     finally:
         llm.shutdown()
 

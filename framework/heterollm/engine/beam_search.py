@@ -210,6 +210,16 @@ async def run_beam_search_async(search: BeamSearch,
         search.advance(await run_round(search.live_token_ids()))
 
 
+def chosen_logprobs(out: RequestOutput) -> TokenLogprobs:
+    """A finished one-token request's logprobs (its token's, with the top alternatives); RuntimeError
+    when it ended without a token (aborted)."""
+    completion = out.outputs[0]
+    if not completion.logprobs:
+        raise RuntimeError(f"beam search: request {out.request_id} ended without a token "
+                           f"(finish_reason={completion.finish_reason!r})")
+    return completion.logprobs[0]
+
+
 def to_request_output(request_id: str, prompt: str | None, result: BeamSearchOutput) -> RequestOutput:
     """A finished RequestOutput whose choices are the sequences, best first (index 0 the best):
     what the HTTP responses are built from."""

@@ -1,4 +1,4 @@
-"""The offline API: `LLM(model=..., **flags).generate(...)` and `.chat(...)`."""
+"""The offline API: `LLM(model=..., **flags).generate(...)`, `.chat(...)` and `.beam_search(...)`."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -6,7 +6,8 @@ from typing import Any
 
 from heterollm.config import load_config
 from heterollm.config.checks import check_single_replica
-from heterollm.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, run_beam_search
+from heterollm.engine.beam_search import (BeamSearch, BeamSearchOutput, BeamSearchParams, chosen_logprobs,
+                                          run_beam_search)
 from heterollm.engine.llm_engine import LLMEngine
 from heterollm.engine.outputs import RequestOutput
 from heterollm.interfaces import TokenLogprobs
@@ -85,7 +86,7 @@ class LLM:
 
         def run_round(token_id_lists: list[list[int]]) -> list[TokenLogprobs]:
             outs = self._run([(None, ids, step) for ids in token_id_lists])
-            return [_first_logprobs(out) for out in outs]
+            return [chosen_logprobs(out) for out in outs]
 
         run_beam_search(search, run_round)
         return search.outputs(lambda ids: self.engine.tokenizer.decode(ids, skip_special_tokens=True))
@@ -123,11 +124,3 @@ def _is_single_prompt(prompts: Any) -> bool:
     return isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
                                                  and isinstance(prompts[0], int))
 
-
-def _first_logprobs(out: RequestOutput) -> TokenLogprobs:
-    """The logprobs of a one-token request's token (with its top alternatives)."""
-    completion = out.outputs[0]
-    if not completion.logprobs:
-        raise RuntimeError(f"beam search: request {out.request_id} ended without a token "
-                           f"(finish_reason={completion.finish_reason!r})")
-    return completion.logprobs[0]

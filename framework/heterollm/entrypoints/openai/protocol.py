@@ -62,6 +62,10 @@ class _SamplingFields(_Body):
     ttft_slo_ms: int | None = None
     """xLLM's field: the time to first token this request wants (the deadline under
     --priority_strategy=deadline; a later first token counts as a missed deadline)."""
+    use_beam_search: bool = False
+    """vLLM's field: beam search of width n (entrypoints/openai/beam_search.py)."""
+    length_penalty: float = 1.0
+    """vLLM's field: with use_beam_search, finished beams rank by cum_logprob / len ** length_penalty."""
 
     def check_common(self) -> None:
         if self.logit_bias:

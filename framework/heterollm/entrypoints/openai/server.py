@@ -29,6 +29,7 @@ from heterollm.engine.async_engine import AsyncEngine, EngineError, RequestStrea
 from heterollm.engine.llm_engine import LLMEngine
 from heterollm.engine.outputs import RequestOutput
 from heterollm.scheduler.request import RequestRejected
+from heterollm.entrypoints.openai.beam_search import FinishedStream, run_beam_search_request
 from heterollm.entrypoints.openai.metrics import ServerMetrics
 from heterollm.entrypoints.openai.protocol import (
     MAX_N, BadRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, check_messages,
@@ -344,6 +345,8 @@ class OpenAIServer:
         if "max_tokens" not in body.model_fields_set:  # OpenAI's default of 16, clamped to the context left
             requested = max(1, min(16, self.engine.max_model_len - longest))
         max_tokens = self._max_tokens(longest, requested, "prompt", "max_tokens")
+        if body.use_beam_search:
+            return await self._beam_search(request, body, prompts, max_tokens, "text_completion")
         want_prompt_lps = body.logprobs if body.echo and body.logprobs is not None else None
         params = body.sampling_params(self.defaults, max_tokens, body.logprobs, want_prompt_lps, "logprobs")
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -363,6 +366,8 @@ class OpenAIServer:
         max_tokens = self._max_tokens(len(ids), body.requested_max_tokens(), "messages",
                                       "max_completion_tokens" if body.max_completion_tokens is not None
                                       else "max_tokens")
+        if body.use_beam_search:
+            return await self._beam_search(request, body, [(None, ids)], max_tokens, "chat.completion")
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(self.defaults, max_tokens, top, None, "top_logprobs")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -372,6 +377,18 @@ class OpenAIServer:
             return self._sse(ctx.stream_chat(), streams)
         outs = await self._collect(request, streams)
         return JSONResponse(ctx.chat_response(outs[0]))
+
+    async def _beam_search(self, request: Request, body: Any, prompts: list[tuple[str | None, list[int]]],
+                           max_tokens: int, obj: str) -> Response:
+        """use_beam_search: the whole search, then the response (chat may stream it; see beam_search.py)."""
+        prefix = "cmpl" if obj == "text_completion" else "chatcmpl"
+        request_id = f"{prefix}-{getattr(body, 'request_id', None) or uuid.uuid4().hex}"
+        outs = await run_beam_search_request(self, request, body, prompts, max_tokens, request_id)
+        streams = [FinishedStream(out) for out in outs]
+        ctx = ResponseBuilder(self, request_id, obj, body, prompts, streams, None)
+        if obj == "text_completion":
+            return JSONResponse(ctx.completion_response(outs))
+        return self._sse(ctx.stream_chat(), streams) if body.stream else JSONResponse(ctx.chat_response(outs[0]))
 
     async def _collect(self, request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
         """Run every stream to its finished output; a client that disconnects aborts them all."""
