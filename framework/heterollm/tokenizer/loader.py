@@ -32,7 +32,10 @@ class Tokenizer:
             return self.hf.convert_ids_to_tokens(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            chat_template: str | None = None, **kwargs: Any) -> list[int]:
+                            chat_template: str | None = None, add_special_tokens: bool = False,
+                            **kwargs: Any) -> list[int]:
+        """The rendered conversation's ids; `add_special_tokens` adds the tokenizer's own (BOS) on top of
+        what the template writes (vLLM's chat field of that name)."""
         template = chat_template or self.hf.chat_template
         if not template:
             raise ValueError("messages: this model has no chat template; pass --chat_template or use a plain prompt")
@@ -40,7 +43,7 @@ class Tokenizer:
             text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                chat_template=template, **kwargs)
         # the template already holds the special tokens (BOS included where the model wants it)
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
     @property
     def vocab_size(self) -> int:

@@ -1,13 +1,15 @@
 """OpenAI request bodies (plus the vLLM extensions clients rely on) and their translation into
 SamplingParams. Bodies are parsed strictly from JSON: a wrong type is a 400 naming the field,
-never a silent coercion. Unknown fields are ignored with a warning, as vLLM does."""
+never a silent coercion. A field of OpenAI's or vLLM's schema that does not work is refused with a 400
+(fields.py holds the table); other unknown fields are ignored with a warning, as vLLM does."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from heterollm.entrypoints.openai.fields import REFUSED, refuse_fields
 from heterollm.sampling import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger("heterollm.server")
@@ -74,7 +76,7 @@ class _SamplingFields(_Body):
             raise BadRequest(f"best_of={self.best_of} is not supported; only best_of == n", "best_of")
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed with stream=true", "stream_options")
-        extra = sorted(self.model_extra or {})
+        extra = _check_schema_fields(self)
         if extra:
             logger.warning("ignoring unknown request fields: %s", ", ".join(extra))
 
@@ -99,7 +101,42 @@ class _SamplingFields(_Body):
             raise BadRequest(str(exc).replace(f"{exc.field}:", f"{name}:", 1), name) from None
 
 
-class CompletionRequest(_SamplingFields):
+class _RuleFields(_Body):
+    """Issue 20's rule (fields.py): the schema fields beyond sampling that work, and the refusals."""
+
+    route: ClassVar[str]
+    request_id: str | None = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+
+
+class _CompletionRuleFields(_RuleFields):
+    route: ClassVar[str] = "completions"
+    add_special_tokens: bool = True
+
+
+class _ChatRuleFields(_RuleFields):
+    route: ClassVar[str] = "chat"
+    add_special_tokens: bool = False
+    reasoning_effort: str | None = None
+    documents: list[dict[str, Any]] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+
+
+def _check_schema_fields(body: _Body) -> list[str]:
+    """Refuse (BadRequest) a schema field of fields.REFUSED sent with a value that is not neutral; return
+    the names of the other fields the request models do not know, to be ignored with a warning."""
+    route = getattr(body, "route")
+    extra = body.model_extra or {}
+    sent = {**extra, **{k: getattr(body, k) for k in body.model_fields_set}}
+    refused = refuse_fields(sent, route)
+    if refused is not None:
+        raise BadRequest(refused[1], refused[0])
+    return sorted(k for k in extra if not (k in REFUSED and route in REFUSED[k].routes))
+
+
+class CompletionRequest(_SamplingFields, _CompletionRuleFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -108,8 +145,6 @@ class CompletionRequest(_SamplingFields):
 
     def check(self) -> None:
         self.check_common()
-        if self.suffix:
-            raise BadRequest("suffix is not supported", "suffix")
         if isinstance(self.prompt, list) and not self.prompt:
             raise BadRequest("prompt must not be empty", "prompt")
 
@@ -150,7 +185,7 @@ def check_messages(messages: list[ChatMessage]) -> None:
             raise BadRequest(f"messages.{i}.content is required for a {m.role} message", f"messages.{i}.content")
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, _ChatRuleFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -168,8 +203,6 @@ class ChatCompletionRequest(_SamplingFields):
     def check(self) -> None:
         self.check_common()
         check_messages(self.messages)
-        if self.tools:
-            raise BadRequest("tools are not supported yet (tool-call parsing is a later feature)", "tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise BadRequest("response_format other than text is not supported yet (structured output is a "
                              "later feature)", "response_format")

@@ -23,6 +23,10 @@ class ResponseBuilder:
         self.created = int(time.time())
         self.model = server.model_name
         self.n = body.n
+        self.as_ids = bool(getattr(body, "return_tokens_as_token_ids", False))
+        """vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"."""
+        self.token_ids = bool(getattr(body, "return_token_ids", False))
+        """vLLM's return_token_ids: choices carry their token ids, responses their prompt's."""
 
     # -- pieces ----------------------------------------------------------------------------
     def _usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
@@ -30,16 +34,20 @@ class ResponseBuilder:
                 "total_tokens": prompt_tokens + completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
+    def _name(self, token_id: int) -> str:
+        """A token as logprobs write it: its text, or "token_id:<id>" (return_tokens_as_token_ids)."""
+        return f"token_id:{token_id}" if self.as_ids else self.server._token_str(token_id)
+
     def _completion_logprobs(self, lps: list[tuple[int, TokenLogprobs | None]], offset: int) -> dict[str, Any]:
         """OpenAI's legacy logprobs object; (token id, logprobs) pairs, None for the first prompt token."""
         tokens, token_lps, tops, offsets = [], [], [], []
         pos = offset
-        tok = self.server._token_str
+        tok = self._name
         for token_id, lp in lps:
             s = tok(token_id)
             tokens.append(s)
             offsets.append(pos)
-            pos += len(s)
+            pos += len(self.server._token_str(token_id))  # offsets into the text, whatever the names
             if lp is None:
                 token_lps.append(None)
                 tops.append(None)
@@ -51,11 +59,8 @@ class ResponseBuilder:
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     def _chat_logprobs(self, lps: list[TokenLogprobs]) -> dict[str, Any]:
-        tok = self.server._token_str
-
         def entry(t: int, v: float) -> dict[str, Any]:
-            s = tok(t)
-            return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
+            return {"token": self._name(t), "logprob": v, "bytes": list(self.server._token_str(t).encode("utf-8"))}
 
         return {"content": [{**entry(lp.token_id, lp.logprob),
                              "top_logprobs": [entry(t, v) for t, v in lp.top[: self.logprobs or 0]]}
@@ -84,8 +89,11 @@ class ResponseBuilder:
                     lps = self._prompt_pairs(out) if self.body.echo else []
                     lps += [(lp.token_id, lp) for lp in c.logprobs or []]
                     logprobs = self._completion_logprobs(lps, 0)
-                choices.append({"index": i * self.n + c.index, "text": prefix + c.text, "logprobs": logprobs,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                choice = {"index": i * self.n + c.index, "text": prefix + c.text, "logprobs": logprobs,
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if self.token_ids:
+                    choice.update(prompt_token_ids=list(out.prompt_token_ids), token_ids=list(c.token_ids))
+                choices.append(choice)
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": choices,
                 "usage": self._usage(prompt_tokens, completion_tokens, sum(o.metrics.num_cached_tokens for o in outs))}
@@ -97,10 +105,14 @@ class ResponseBuilder:
             completion_tokens += len(c.token_ids)
             choices.append({"index": c.index, "message": {"role": "assistant", "content": prefix + c.text},
                             "logprobs": self._chat_logprobs(c.logprobs or []) if self.logprobs is not None else None,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": choices,
-                "usage": self._usage(len(out.prompt_token_ids), completion_tokens, out.metrics.num_cached_tokens)}
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                            **({"token_ids": list(c.token_ids)} if self.token_ids else {})})
+        response = {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                    "choices": choices,
+                    "usage": self._usage(len(out.prompt_token_ids), completion_tokens, out.metrics.num_cached_tokens)}
+        if self.token_ids:
+            response["prompt_token_ids"] = list(out.prompt_token_ids)
+        return response
 
     def _echo_prefix(self) -> str:
         """vLLM's chat echo: the content of a final assistant message the answer continues."""
@@ -169,16 +181,18 @@ class ResponseBuilder:
                     index = i * self.n + c.index
                     text = c.delta_text
                     lps = []
+                    done = generated.get(index, 0)
                     if self.logprobs is not None:
-                        done = generated.get(index, 0)
                         lps = [(lp.token_id, lp) for lp in (c.logprobs or [])[done:len(c.token_ids)]]
+                    first = index not in offsets
                     if self.body.echo and index not in sent_echo:
                         sent_echo.add(index)
                         text = self._prompt_text(i) + text
                         if self.logprobs is not None:
                             lps = self._prompt_pairs(out) + lps
                     generated[index] = len(c.token_ids)
-                    if not text and not c.finish_reason and not lps:
+                    new_ids = self.token_ids and len(c.token_ids) > done  # ids of text not complete yet
+                    if not text and not c.finish_reason and not lps and not new_ids:
                         continue
                     logprobs = None
                     if self.logprobs is not None:
@@ -186,6 +200,10 @@ class ResponseBuilder:
                     offsets[index] = offsets.get(index, 0) + len(text)
                     choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
                               "stop_reason": c.stop_reason}
+                    if self.token_ids:
+                        choice["token_ids"] = list(c.token_ids[done:])
+                        if first:
+                            choice["prompt_token_ids"] = list(out.prompt_token_ids)
                     usage = (self._usage(prompt_tokens, sum(generated.values()), sum(cached.values()))
                              if continuous else None)
                     yield self._chunk("text_completion", [choice], usage)
@@ -203,9 +221,12 @@ class ResponseBuilder:
         cached = 0
         for index in range(self.n):
             first = {"role": "assistant", "content": self._echo_prefix()}
-            yield self._chunk("chat.completion.chunk", [{"index": index, "delta": first, "logprobs": None,
-                                                         "finish_reason": None}],
-                              self._usage(prompt_tokens, 0) if continuous else None)
+            chunk = self._chunk("chat.completion.chunk", [{"index": index, "delta": first, "logprobs": None,
+                                                           "finish_reason": None}],
+                                self._usage(prompt_tokens, 0) if continuous else None)
+            if self.token_ids and index == 0:  # vLLM's: the prompt's ids in the first chunk
+                chunk["prompt_token_ids"] = list(self.prompts[0][1])
+            yield chunk
         try:
             async for _, out in self._merged():
                 cached = out.metrics.num_cached_tokens
@@ -213,11 +234,14 @@ class ResponseBuilder:
                     done = generated.get(c.index, 0)
                     lps = list((c.logprobs or [])[done:len(c.token_ids)]) if self.logprobs is not None else []
                     generated[c.index] = len(c.token_ids)
-                    if not c.delta_text and not c.finish_reason and not lps:
+                    new_ids = self.token_ids and len(c.token_ids) > done
+                    if not c.delta_text and not c.finish_reason and not lps and not new_ids:
                         continue
                     choice = {"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
                               "logprobs": self._chat_logprobs(lps) if self.logprobs is not None else None,
                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    if self.token_ids:
+                        choice["token_ids"] = list(c.token_ids[done:])
                     usage = self._usage(prompt_tokens, sum(generated.values()), cached) if continuous else None
                     yield self._chunk("chat.completion.chunk", [choice], usage)
         finally:

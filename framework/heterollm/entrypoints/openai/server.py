@@ -13,6 +13,7 @@ import json
 import logging
 import time
 import uuid
+import zlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -237,14 +238,23 @@ class OpenAIServer:
             raise BadRequest(f"{param}: token id {bad[0]} is outside the vocabulary [0, {vocab})", param)
 
     def _chat_ids(self, messages, add_generation_prompt: bool, continue_final_message: bool,
-                  chat_template: str | None, template_kwargs: dict[str, Any] | None) -> list[int]:
+                  chat_template: str | None, template_kwargs: dict[str, Any] | None,
+                  template_vars: dict[str, Any] | None = None, add_special_tokens: bool = False) -> list[int]:
         conv = [m.as_template_message() for m in messages]
         kwargs = dict(template_kwargs or {})
         if continue_final_message:
             kwargs["continue_final_message"] = True
+        for name, value in (template_vars or {}).items():  # request fields the template reads (vLLM's way)
+            if value is None:
+                continue
+            if name not in str(chat_template or self.engine.tokenizer.hf.chat_template or ""):
+                raise BadRequest(f"{name}: the chat template does not read `{name}`, so it would change nothing",
+                                 name)
+            kwargs[name] = value
         try:
             return self.engine.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                                             chat_template=chat_template, **kwargs)
+                                                             chat_template=chat_template,
+                                                             add_special_tokens=add_special_tokens, **kwargs)
         except ValueError as exc:
             raise BadRequest(str(exc).removeprefix("messages: "), "messages") from None
         except Exception as exc:  # a template that raises on these messages (jinja errors and the like)
@@ -279,7 +289,7 @@ class OpenAIServer:
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 # each prompt gets its own copy: the engine fills in max_tokens per request
                 p = SamplingParams(**{**params.__dict__})
-                replica = min((r for r in self.replicas if r.alive), key=lambda r: r.load, default=self.replicas[0])
+                replica = self._replica(getattr(body, "prompt_cache_key", None))
                 streams.append(await replica.add(text if text is not None else ids, p, rid,
                                                            prompt_token_ids=ids,
                                                            first_output_timeout=self.settings.max_waiting_time,
@@ -289,6 +299,14 @@ class OpenAIServer:
                 s.close()
             raise
         return streams
+
+    def _replica(self, prompt_cache_key: str | None) -> AsyncEngine:
+        """The replica for a request: the one with the least outstanding work, or, for a request with a
+        prompt_cache_key, the one that key always maps to (so it finds the prefixes its key cached)."""
+        alive = [r for r in self.replicas if r.alive] or self.replicas[:1]
+        if prompt_cache_key is not None:
+            return alive[zlib.crc32(prompt_cache_key.encode()) % len(alive)]
+        return min(alive, key=lambda r: r.load)
 
     async def _run(self, request: Request, kind: str) -> Response:
         limit = self.settings.max_concurrent_requests
@@ -332,7 +350,7 @@ class OpenAIServer:
         prompts: list[tuple[str | None, list[int]]] = []
         for p in body.prompts():
             if isinstance(p, str):
-                prompts.append((p, self.engine.tokenizer.encode(p)))
+                prompts.append((p, self.engine.tokenizer.encode(p, body.add_special_tokens)))
             else:
                 self._check_ids(p, "prompt")
                 prompts.append((None, list(p)))
@@ -349,7 +367,7 @@ class OpenAIServer:
             return await self._beam_search(request, body, prompts, max_tokens, "text_completion")
         want_prompt_lps = body.logprobs if body.echo and body.logprobs is not None else None
         params = body.sampling_params(self.defaults, max_tokens, body.logprobs, want_prompt_lps, "logprobs")
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id = f"cmpl-{body.request_id or uuid.uuid4().hex}"
         streams = await self._admit(prompts, params, request_id, body)
         ctx = ResponseBuilder(self, request_id, "text_completion", body, prompts, streams, body.logprobs)
         if body.stream:
@@ -362,7 +380,9 @@ class OpenAIServer:
         body.check()
         self._check_model(body.model)
         ids = self._chat_ids(body.messages, body.add_generation_prompt, body.continue_final_message,
-                             body.chat_template, body.chat_template_kwargs)
+                             body.chat_template, body.chat_template_kwargs,
+                             {"reasoning_effort": body.reasoning_effort, "documents": body.documents},
+                             body.add_special_tokens)
         max_tokens = self._max_tokens(len(ids), body.requested_max_tokens(), "messages",
                                       "max_completion_tokens" if body.max_completion_tokens is not None
                                       else "max_tokens")
@@ -370,7 +390,7 @@ class OpenAIServer:
             return await self._beam_search(request, body, [(None, ids)], max_tokens, "chat.completion")
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(self.defaults, max_tokens, top, None, "top_logprobs")
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
         streams = await self._admit([(None, ids)], params, request_id, body)
         ctx = ResponseBuilder(self, request_id, "chat.completion", body, [(None, ids)], streams, top)
         if body.stream:

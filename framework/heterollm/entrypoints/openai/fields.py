@@ -1,0 +1,175 @@
+"""The rule for request fields (issue 20): every field of OpenAI's and vLLM's completion and chat
+request schemas either works or is refused with a 400 naming it and saying why; only names in
+neither schema are ignored with a warning (as vLLM does).
+
+`REFUSED` is the table the request models apply (`refuse_fields`); `WORKS` says in one line what
+each working field does; `IN_PROGRESS` names the fields being built. docs/requests.md is generated
+from them (scripts/gen_requests_doc.py), and tests/server/test_request_schema_rule.py holds every
+schema field to exactly one of them."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+ROUTES = ("completions", "chat")
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A schema field the server cannot honour: any value but the neutral ones is a 400."""
+
+    reason: str
+    """Why it is refused (the end of the error message)."""
+    neutral: tuple[Any, ...] = (None,)
+    """Values that ask for nothing (the field's off value or default): accepted, and they change nothing."""
+    routes: tuple[str, ...] = ROUTES
+
+    def accepted(self) -> list[Any]:
+        """The neutral values a client may send besides null."""
+        return [v for v in self.neutral if v is not None]
+
+    def message(self, name: str) -> str:
+        ok = " or ".join(json.dumps(v) for v in self.accepted())
+        return f"{name} is not supported: {self.reason}" + (f"; only {ok} is accepted" if ok else "")
+
+
+_NO_TOOLS = "tool calling is not implemented (no tool-call parser is wired into the server)"
+_NO_STORE = "heterollm keeps no record of a request once it is answered"
+_REPETITION = "stopping on repeated token patterns is not implemented"
+
+REFUSED: dict[str, Refused] = {
+    # -- both routes ------------------------------------------------------------------------
+    "spaces_between_special_tokens": Refused(
+        "the detokenizer decodes with the tokenizer's own spacing", (None, True)),
+    "logits_processors": Refused("loading Python logits processors named by a request is not implemented", (None, [])),
+    "cache_salt": Refused("the prefix cache's hash chain takes no per-request key, so it cannot be salted"),
+    "kv_transfer_params": Refused("there is no disaggregated prefill: KV caches are not transferred between "
+                                  "instances", (None, {})),
+    "vllm_xargs": Refused("no extension reads custom request arguments", (None, {})),
+    "max_repetition_pattern_size": Refused(_REPETITION, (None, 0)),
+    "min_repetition_pattern_size": Refused(_REPETITION, (None, 0)),
+    "repetition_min_count": Refused(_REPETITION, (None, 0)),
+    # -- completions ------------------------------------------------------------------------
+    "prompt_embeds": Refused("prompts are token ids or text; embeddings cannot be fed to the model", (None, []),
+                             ("completions",)),
+    "suffix": Refused("fill-in-the-middle needs the model's own infilling prompt format, which is not "
+                      "implemented", (None, ""), ("completions",)),
+    # -- chat -------------------------------------------------------------------------------
+    "tools": Refused(_NO_TOOLS, (None, []), ("chat",)),
+    "tool_choice": Refused(_NO_TOOLS, (None, "none"), ("chat",)),
+    "parallel_tool_calls": Refused(_NO_TOOLS, (None, True), ("chat",)),
+    "functions": Refused(_NO_TOOLS + " (functions is the deprecated form of tools)", (None, []), ("chat",)),
+    "function_call": Refused(_NO_TOOLS + " (function_call is the deprecated form of tool_choice)", (None, "none"), ("chat",)),
+    "audio": Refused("the models served generate text only", (None,), ("chat",)),
+    "modalities": Refused("the models served generate text only", (None, ["text"]),
+                          ("chat",)),
+    "prediction": Refused("predicted outputs (speculating on a given text) are not implemented", (None,), ("chat",)),
+    "web_search_options": Refused("there is no web search", (None,), ("chat",)),
+    "store": Refused(_NO_STORE, (None, False), ("chat",)),
+    "metadata": Refused("metadata tags a stored completion, and " + _NO_STORE, (None, {}), ("chat",)),
+    "service_tier": Refused("there is one service tier (`priority` orders requests)", (None, "auto", "default"), ("chat",)),
+    "verbosity": Refused("nothing steers the answer's length but max_completion_tokens", (None, "medium"), ("chat",)),
+    "moderation": Refused("no moderation model runs on requests or answers", (None,), ("chat",)),
+    "prompt_cache_options": Refused("the prefix cache matches prefixes on its own: it has no explicit breakpoints "
+                                    "or lifetimes", (None,), ("chat",)),
+    "prompt_cache_retention": Refused("cached prefixes live in memory until evicted",
+                                      (None, "in_memory"), ("chat",)),
+    "include_reasoning": Refused("the answer is not split into reasoning and content (no reasoning parser is wired "
+                                 "into the server), so reasoning cannot be left out",
+                                 (None, True), ("chat",)),
+    "mm_processor_kwargs": Refused("the models served take text only (no multimodal processor)", (None, {}),
+                                   ("chat",)),
+}
+
+
+def refuse_fields(values: dict[str, Any], route: str) -> tuple[str, str] | None:
+    """The first field of `values` (name -> value, as sent) that `route` refuses: (name, message)."""
+    for name, value in values.items():
+        rule = REFUSED.get(name)
+        if rule is not None and route in rule.routes and not _neutral(value, rule.neutral):
+            return name, rule.message(name)
+    return None
+
+
+def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    # type-exact: 0 is not false, 1 is not true
+    return any(type(value) is type(v) and value == v for v in neutral)
+
+
+IN_PROGRESS: frozenset[str] = frozenset({
+    # being built now (issue 20); they move into WORKS with their tests when they land
+    "logit_bias", "bad_words", "allowed_token_ids", "min_tokens", "truncate_prompt_tokens", "best_of",
+    "use_beam_search", "length_penalty", "prompt_logprobs",
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag",
+})
+
+WORKS: dict[str, dict[str, str]] = {
+    # name -> {route (or "both"): what it does and its limits}
+    "model": {"both": "must be the served model name (`--served_model_name`) or left out; else 404"},
+    "prompt": {"completions": "a string, a list of strings, a list of token ids, or a list of such lists (one "
+                              "choice each, index = prompt x n + i)"},
+    "messages": {"chat": "roles system, developer, user, assistant, tool; content a string or a list of "
+                         "{\"type\": \"text\"} parts; rendered with the chat template"},
+    "n": {"both": "1-128 choices (all prompts together)"},
+    "temperature": {"both": "0 is greedy; left out: the model's generation_config, else 1"},
+    "top_p": {"both": "nucleus sampling; left out: the model's generation_config"},
+    "top_k": {"both": "vLLM's; left out: the model's generation_config"},
+    "min_p": {"both": "vLLM's"},
+    "seed": {"both": "a per-request generator: the same seed gives the same answer"},
+    "stop": {"both": "a string or a list; the matched one is the choice's stop_reason"},
+    "stop_token_ids": {"both": "vLLM's; the matched id is the choice's stop_reason"},
+    "presence_penalty": {"both": "OpenAI's additive penalty on tokens already generated"},
+    "frequency_penalty": {"both": "OpenAI's penalty per occurrence of a generated token"},
+    "repetition_penalty": {"both": "vLLM's multiplicative penalty on prompt and generated tokens"},
+    "ignore_eos": {"both": "vLLM's: keep generating past the end-of-sequence token"},
+    "skip_special_tokens": {"both": "vLLM's: leave special tokens out of the text (default true)"},
+    "include_stop_str_in_output": {"both": "vLLM's: keep the matched stop string in the text"},
+    "stream": {"both": "Server-Sent Events, then `data: [DONE]`"},
+    "stream_options": {"both": "include_usage (a last chunk with the usage), continuous_usage_stats (vLLM's: "
+                               "usage in every chunk); only with stream=true"},
+    "user": {"both": "an opaque end-user id: accepted, and by definition it changes nothing in the answer"},
+    "priority": {"both": "vLLM's: lower is served first (needs --priority_strategy=priority)"},
+    "max_tokens": {"completions": "default 16 (clamped to the context left); prompt + max_tokens must fit "
+                                  "max_model_len",
+                   "chat": "the older name of max_completion_tokens"},
+    "max_completion_tokens": {"chat": "default: the rest of the context"},
+    "logprobs": {"completions": "0-20: OpenAI's legacy object (tokens, token_logprobs, top_logprobs, text_offset)",
+                 "chat": "true: each token's logprob, with top_logprobs alternatives"},
+    "top_logprobs": {"chat": "0-20, needs logprobs=true"},
+    "echo": {"completions": "the prompt is prepended to the text; with logprobs the prompt tokens get theirs "
+                            "(null for the first)",
+             "chat": "vLLM's: the content of a final assistant message is prepended to the answer"},
+    "add_generation_prompt": {"chat": "vLLM's: end the rendered prompt with the assistant header (default true)"},
+    "continue_final_message": {"chat": "vLLM's: the answer continues the final assistant message (needs "
+                                       "add_generation_prompt=false)"},
+    "chat_template": {"chat": "vLLM's: a Jinja template replacing the model's (or --chat_template) for this request"},
+    "chat_template_kwargs": {"chat": "vLLM's: extra variables for the chat template"},
+    "add_special_tokens": {"completions": "vLLM's: add the tokenizer's special tokens (BOS) to a text prompt "
+                                          "(default true)",
+                           "chat": "vLLM's: add the tokenizer's special tokens on top of the chat template's "
+                                   "(default false)"},
+    "request_id": {"both": "vLLM's: the response id becomes cmpl-<request_id> / chatcmpl-<request_id> and the "
+                           "engine tracks the request by it; one still in flight with the same id: 400"},
+    "return_tokens_as_token_ids": {"both": "vLLM's: with logprobs, each token is written \"token_id:<id>\" "
+                                           "(for tokens that are not valid text on their own)"},
+    "return_token_ids": {"both": "vLLM's: each choice carries its token_ids and the response its "
+                                 "prompt_token_ids (in a stream: prompt_token_ids in each choice's first chunk, "
+                                 "each chunk's new token_ids)"},
+    "reasoning_effort": {"chat": "passed to the chat template as `reasoning_effort` (as vLLM does); a 400 when the "
+                                 "template does not read it, since it would change nothing"},
+    "documents": {"chat": "vLLM's: passed to the chat template as `documents` (retrieval-augmented templates); a "
+                          "400 when the template does not read it"},
+    "safety_identifier": {"chat": "an opaque end-user id (OpenAI's successor of user): accepted, and by definition "
+                                  "it changes nothing in the answer"},
+    "prompt_cache_key": {"chat": "with --dp_size > 1, requests with the same key go to the same replica, so they "
+                                 "share its prefix cache; with one replica the prefix cache already matches every "
+                                 "request's prefix, and the key changes nothing"},
+}
+
+
+def works(name: str, route: str) -> str | None:
+    """What a working field does on `route`, or None."""
+    entry = WORKS.get(name, {})
+    return entry.get(route, entry.get("both"))
