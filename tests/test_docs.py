@@ -1,4 +1,5 @@
-"""docs/flags.md is generated from the config models and must not go stale."""
+"""docs/flags.md (from the config models) and docs/requests.md (from the request field tables) are
+generated and must not go stale."""
 import subprocess
 import sys
 from pathlib import Path
@@ -17,3 +18,10 @@ def test_flags_doc_lists_every_flag():
     text = (ROOT / "docs" / "flags.md").read_text(encoding="utf-8")
     missing = [n for n in FLAG_SPECS if f"`--{n}`" not in text]
     assert not missing
+
+
+def test_requests_doc_is_current():
+    """docs/requests.md (every request field of OpenAI's and vLLM's schemas, with its status)."""
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_requests_doc.py"), "--check"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
