@@ -69,6 +69,23 @@ class _SamplingFields(_Body):
     length_penalty: float = 1.0
     """vLLM's field: with use_beam_search, finished beams rank by cum_logprob / len ** length_penalty."""
 
+    prompt_logprobs: int | None = None
+    """vLLM's field: 0-20 top alternatives per prompt token (not with stream=true)."""
+
+    def requested_prompt_logprobs(self, echo_logprobs: int | None = None) -> int | None:
+        """The prompt logprobs to compute: vLLM's `prompt_logprobs` (0-20; refused with stream=true
+        unless 0, as vLLM does, since no chunk carries them) or the echo's, whichever asks for more."""
+        asked = self.prompt_logprobs
+        if asked is not None:
+            if not 0 <= asked <= 20:
+                raise BadRequest(f"prompt_logprobs: must be an integer in [0, 20], got {asked}", "prompt_logprobs")
+            if self.stream and asked > 0:
+                raise BadRequest("prompt_logprobs are not available with stream=true", "prompt_logprobs")
+            if self.stream:
+                asked = None
+        wanted = [k for k in (asked, echo_logprobs) if k is not None]
+        return max(wanted) if wanted else None
+
     def check_common(self) -> None:
         if self.logit_bias:
             raise BadRequest("logit_bias is not supported yet", "logit_bias")

@@ -72,6 +72,27 @@ class ResponseBuilder:
         lps += [None] * (len(out.prompt_token_ids) - len(lps))
         return list(zip(out.prompt_token_ids, lps))
 
+    def _vllm_prompt_logprobs(self, out: RequestOutput) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's `prompt_logprobs` (per completion choice, top level in chat): per prompt token null
+        (the first) or {token id: {"logprob", "rank", "decoded_token"}}, the prompt's own token first,
+        then the top k with ranks 1..k; k is `prompt_logprobs`, else the echo's `logprobs`."""
+        if out.prompt_logprobs is None:
+            return None
+        asked = getattr(self.body, "prompt_logprobs", None)
+        k = asked if asked is not None else (self.logprobs or 0)
+        return [None if lp is None else self._logprob_entries(token_id, lp, k)
+                for token_id, lp in self._prompt_pairs(out)]
+
+    def _logprob_entries(self, token_id: int, lp: TokenLogprobs, k: int) -> dict[str, dict[str, Any]]:
+        def entry(t: int, logprob: float, rank: int) -> dict[str, Any]:
+            # vLLM writes -inf as -9999.0 (JSON has no infinity)
+            return {"logprob": max(logprob, -9999.0), "rank": rank, "decoded_token": self.server._token_str(t)}
+
+        entries = {str(token_id): entry(token_id, lp.logprob, lp.rank)}
+        for rank, (t, v) in enumerate(lp.top[:k], start=1):
+            entries[str(t)] = entry(t, v, rank)  # the prompt's token among them keeps its first place
+        return entries
+
     def _prompt_text(self, i: int) -> str:
         text, ids = self.prompts[i]
         return text if text is not None else self.server.engine.tokenizer.decode(ids, skip_special_tokens=False)
@@ -93,6 +114,7 @@ class ResponseBuilder:
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if self.token_ids:
                     choice.update(prompt_token_ids=list(out.prompt_token_ids), token_ids=list(c.token_ids))
+                choice["prompt_logprobs"] = self._vllm_prompt_logprobs(out)
                 choices.append(choice)
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": choices,
@@ -112,6 +134,7 @@ class ResponseBuilder:
                     "usage": self._usage(len(out.prompt_token_ids), completion_tokens, out.metrics.num_cached_tokens)}
         if self.token_ids:
             response["prompt_token_ids"] = list(out.prompt_token_ids)
+        response["prompt_logprobs"] = self._vllm_prompt_logprobs(out)
         return response
 
     def _echo_prefix(self) -> str:

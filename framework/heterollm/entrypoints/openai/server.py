@@ -365,7 +365,7 @@ class OpenAIServer:
         max_tokens = self._max_tokens(longest, requested, "prompt", "max_tokens")
         if body.use_beam_search:
             return await self._beam_search(request, body, prompts, max_tokens, "text_completion")
-        want_prompt_lps = body.logprobs if body.echo and body.logprobs is not None else None
+        want_prompt_lps = body.requested_prompt_logprobs(body.logprobs if body.echo else None)
         params = body.sampling_params(self.defaults, max_tokens, body.logprobs, want_prompt_lps, "logprobs")
         request_id = f"cmpl-{body.request_id or uuid.uuid4().hex}"
         streams = await self._admit(prompts, params, request_id, body)
@@ -389,7 +389,7 @@ class OpenAIServer:
         if body.use_beam_search:
             return await self._beam_search(request, body, [(None, ids)], max_tokens, "chat.completion")
         top = (body.top_logprobs or 0) if body.logprobs else None
-        params = body.sampling_params(self.defaults, max_tokens, top, None, "top_logprobs")
+        params = body.sampling_params(self.defaults, max_tokens, top, body.requested_prompt_logprobs(), "top_logprobs")
         request_id = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
         streams = await self._admit([(None, ids)], params, request_id, body)
         ctx = ResponseBuilder(self, request_id, "chat.completion", body, [(None, ids)], streams, top)
