@@ -22,6 +22,11 @@ def hf(tiny_llama):
     return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
 
 
+def hf_tokenizer(folder):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(folder)
+
+
 def post(srv, path: str, **body) -> httpx.Response:
     return httpx.post(srv.url + path, json=body, timeout=120)
 
@@ -109,24 +114,30 @@ def test_neutral_values_are_accepted(srv):
 
 def test_length_penalty_and_eos_over_http(tmp_path, hf, tiny_llama):
     """EOS is made the second token the greedy path takes, so a short beam finishes; length_penalty 0
-    and 3 then rank it differently (checked on the reference first)."""
-    eos = hf_greedy(tiny_llama, [PROMPT], 2)[0][1]
+    and 3 then rank it differently (checked on the reference first). Chat gets the same prompt through
+    a template that renders the message as it is."""
+    text = "Hello world, this is"
+    prompt = hf_tokenizer(tiny_llama).encode(text)
+    eos = hf_greedy(tiny_llama, [prompt], 2)[0][1]
     folder = build_tiny_model(tmp_path / "eos", "llama", eos_token_id=eos)
-    by_penalty = {lp: hf_beam_search(hf, PROMPT, 3, 4, eos=eos, length_penalty=lp) for lp in (0.0, 3.0)}
+    by_penalty = {lp: hf_beam_search(hf, prompt, 3, 4, eos=eos, length_penalty=lp) for lp in (0.0, 3.0)}
     assert [b[0] for b in by_penalty[0.0]] != [b[0] for b in by_penalty[3.0]]  # the case exercises the penalty
+    chat = {"messages": [{"role": "user", "content": text}], "chat_template": "{{ messages[0]['content'] }}"}
     with serving(make_engine(folder)) as srv:
         for lp, want in by_penalty.items():
-            r = post(srv, "/v1/completions", prompt=PROMPT, n=3, max_tokens=4, use_beam_search=True, length_penalty=lp)
+            r = post(srv, "/v1/completions", prompt=text, n=3, max_tokens=4, use_beam_search=True, length_penalty=lp)
             choices = r.json()["choices"]
-            assert [c["text"] for c in choices] == texts(srv, want, PROMPT)
+            assert [c["text"] for c in choices] == texts(srv, want, prompt)
             assert [c["finish_reason"] for c in choices] == [w[2] for w in want]
             assert [c["stop_reason"] for c in choices] == [eos if w[2] == "stop" else None for w in want]
-        kept = post(srv, "/v1/completions", prompt=PROMPT, n=3, max_tokens=4, use_beam_search=True, length_penalty=0.0,
+            r = post(srv, "/v1/chat/completions", **chat, n=3, max_tokens=4, use_beam_search=True, length_penalty=lp)
+            assert [c["message"]["content"] for c in r.json()["choices"]] == texts(srv, want, prompt)
+        kept = post(srv, "/v1/completions", prompt=text, n=3, max_tokens=4, use_beam_search=True, length_penalty=0.0,
                     include_stop_str_in_output=True).json()
         stops = sum(w[2] == "stop" for w in by_penalty[0.0])
-        generated = sum(len(w[0]) - len(PROMPT) for w in by_penalty[0.0])
+        generated = sum(len(w[0]) - len(prompt) for w in by_penalty[0.0])
         assert kept["usage"]["completion_tokens"] == generated + stops  # the EOS counts, the text hides it
-        assert [c["text"] for c in kept["choices"]] == texts(srv, by_penalty[0.0], PROMPT)
-        ignoring = post(srv, "/v1/completions", prompt=PROMPT, n=3, max_tokens=4, use_beam_search=True,
+        assert [c["text"] for c in kept["choices"]] == texts(srv, by_penalty[0.0], prompt)
+        ignoring = post(srv, "/v1/completions", prompt=text, n=3, max_tokens=4, use_beam_search=True,
                         ignore_eos=True).json()
         assert {c["finish_reason"] for c in ignoring["choices"]} == {"length"}

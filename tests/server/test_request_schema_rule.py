@@ -62,6 +62,9 @@ EXERCISED: dict[str, dict[str, list[str]]] = {
         "priority": [*_SHARED["priority"], "server/test_scheduling.py::test_priority_and_deadline_fields"],
         "return_tokens_as_token_ids": [_F + "test_return_tokens_as_token_ids_completions"],
         "return_token_ids": [_F + "test_return_token_ids_completions"],
+        "use_beam_search": ["server/test_beam_search_api.py::test_completions_choices_are_the_beams_best_first"],
+        "length_penalty": ["server/test_beam_search_api.py::test_length_penalty_and_eos_over_http"],
+        "prompt_logprobs": ["server/test_prompt_logprobs_api.py::test_completions_carry_them_per_choice"],
     },
     "chat": {
         **_SHARED,
@@ -83,6 +86,9 @@ EXERCISED: dict[str, dict[str, list[str]]] = {
         "documents": [_F + "test_template_variables_reach_the_template"],
         "safety_identifier": [_F + "test_end_user_ids_are_accepted_and_change_nothing"],
         "prompt_cache_key": [_F + "test_prompt_cache_key_pins_a_replica"],
+        "use_beam_search": ["server/test_beam_search_api.py::test_chat_choices_and_its_stream_are_the_beams"],
+        "length_penalty": ["server/test_beam_search_api.py::test_length_penalty_and_eos_over_http"],
+        "prompt_logprobs": ["server/test_prompt_logprobs_api.py::test_chat_carries_them_at_the_top_level"],
     },
 }
 

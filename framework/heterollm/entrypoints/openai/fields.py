@@ -100,7 +100,6 @@ def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
 IN_PROGRESS: frozenset[str] = frozenset({
     # being built now (issue 20); they move into WORKS with their tests when they land
     "logit_bias", "bad_words", "allowed_token_ids", "min_tokens", "truncate_prompt_tokens", "best_of",
-    "use_beam_search", "length_penalty", "prompt_logprobs",
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag",
 })
@@ -135,6 +134,14 @@ WORKS: dict[str, dict[str, str]] = {
                                   "max_model_len",
                    "chat": "the older name of max_completion_tokens"},
     "max_completion_tokens": {"chat": "default: the rest of the context"},
+    "use_beam_search": {"both": "vLLM's: beam search of width n (at most 10), choices best first; 400 for the fields "
+                                "it cannot honour (temperature > 0, logprobs, sampling knobs, stop, ...); completions "
+                                "refuse stream=true, chat streams the finished answer (as vLLM)"},
+    "length_penalty": {"both": "vLLM's: with use_beam_search, finished beams rank by cum_logprob / "
+                               "len ** length_penalty (len counts the prompt, not a final EOS); else ignored"},
+    "prompt_logprobs": {"completions": "vLLM's: 0-20; per choice, each prompt token's {token id: {logprob, rank, "
+                                       "decoded_token}} (null for the first); not with stream=true unless 0",
+                        "chat": "vLLM's: 0-20; at the top level of the response, as on completions"},
     "logprobs": {"completions": "0-20: OpenAI's legacy object (tokens, token_logprobs, top_logprobs, text_offset)",
                  "chat": "true: each token's logprob, with top_logprobs alternatives"},
     "top_logprobs": {"chat": "0-20, needs logprobs=true"},
