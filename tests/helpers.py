@@ -70,3 +70,19 @@ def hf_logprobs(folder: Path, ids: list[int]) -> torch.Tensor:
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+
+@functools.lru_cache(maxsize=4)
+def _hf_model(folder: str):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def hf_generate(folder: Path, ids: list[int], max_new_tokens: int, **kwargs) -> list[int]:
+    """transformers' own generate on one prompt (greedy unless `kwargs` say otherwise; its logits
+    processors, e.g. min_new_tokens, sequence_bias, bad_words_ids, prefix_allowed_tokens_fn): the new
+    tokens, up to and including an `eos_token_id` it stopped at."""
+    kwargs = {"do_sample": False, "pad_token_id": 0, **kwargs}
+    with torch.no_grad():
+        out = _hf_model(str(folder)).generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, **kwargs)
+    return out[0, len(ids):].tolist()

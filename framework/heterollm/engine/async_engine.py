@@ -89,7 +89,7 @@ class AsyncEngine:
         request and frees its blocks."""
         if not self.alive:
             raise self._not_running()
-        cost = len(prompt_token_ids or prompt) + (params.max_tokens or 0) * params.n
+        cost = len(prompt_token_ids or prompt) + (params.max_tokens or 0) * params.num_sequences
         with self._load_lock:
             self._load[request_id] = self._cost[request_id] = cost
         loop = asyncio.get_running_loop()

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from heterollm.config import HeterollmConfig
+from heterollm.engine.admission import AdmissionLimits, admit_params, best_of
 from heterollm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from heterollm.scheduler.request import Request, RequestRejected
 from heterollm.engine.memory_budget import KVPlan, KVSizing, mib, plan_kv_cache, plan_warnings
@@ -211,13 +212,12 @@ class LLMEngine:
             text, ids = (prompt if isinstance(prompt, str) else None), list(prompt_token_ids)
         else:
             text, ids = self.tokenize_prompt(prompt)
-        if params.max_tokens is None:
-            params.max_tokens = max(1, self.max_model_len - len(ids))
+        params, ids = admit_params(params, ids, self._admission_limits())  # the request's own copy
         now = time.monotonic()
         parent = _Parent(request_id, text, ids, params, now)
         children = []
-        for i in range(params.n):
-            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+        for i in range(params.num_sequences):
+            rid = request_id if params.num_sequences == 1 else f"{request_id}#{i}"
             req = Request(rid, ids, params, arrival_time=now, seed_offset=i, max_model_len=self.max_model_len,
                           priority=priority, ttft_slo_ms=ttft_slo_ms)
             children.append(_Child(req, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens), i))
@@ -236,6 +236,10 @@ class LLMEngine:
         for child in children:
             self._children[child.request.request_id] = (parent, child)
         return request_id
+
+    def _admission_limits(self) -> AdmissionLimits:
+        return AdmissionLimits(self.vocab_size, self.max_model_len, frozenset(self.eos_token_ids),
+                               lambda text: self.tokenizer.encode(text, add_special_tokens=False))
 
     def _ask_plugins(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestRejected with the first reason a plugin's `heterollm_on_request` gives."""
@@ -434,8 +438,11 @@ class LLMEngine:
             completions.append(CompletionOutput(
                 index=child.index, text=text[:visible], token_ids=list(r.output_token_ids),
                 logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
+                cumulative_logprob=sum(lp.logprob for lp in r.logprobs) if r.logprobs else None,
                 finish_reason=r.finish_reason if r.finished or child.final_text is not None else None,
                 stop_reason=r.stop_reason, delta_text=delta, delta_token_ids=delta_ids))
+        if parent.params.needs_cumulative_logprob:
+            completions = best_of(completions, parent.params.n, parent.finished)
         first = parent.children[0].request
         finished_times = [c.request.finished_time for c in parent.children if c.request.finished_time]
         metrics = RequestMetrics(

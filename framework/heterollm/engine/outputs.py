@@ -42,6 +42,9 @@ class CompletionOutput:
     """"stop" (EOS, stop token or stop string), "length" (max_tokens / max_model_len), "abort"."""
     stop_reason: str | int | None = None
     """The stop string or stop token id that ended generation, when one did."""
+    cumulative_logprob: float | None = None
+    """The sum of the generated tokens' logprobs (the model's own distribution), when computed
+    (`logprobs` asked for, or best_of > n, which ranks the sequences by it)."""
     delta_text: str = ""
     """Text new since the previous output for this request (for streaming)."""
     delta_token_ids: list[int] = field(default_factory=list)
