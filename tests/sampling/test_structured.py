@@ -166,3 +166,16 @@ def test_the_servers_whitespace_flag_is_the_default(manager):
     compact.compile(spec).result()
     assert spec.disable_any_whitespace
     compact.shutdown()
+
+
+@pytest.mark.parametrize("tag", [
+    {"structures": [{"begin": "<num>", "schema": {"type": "integer"}, "end": "</num>"}], "triggers": ["<num>"]},
+    {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<num>"], "tags": [
+        {"type": "tag", "begin": "<num>", "content": {"type": "json_schema", "json_schema": {"type": "integer"}},
+         "end": "</num>"}]}},
+], ids=["vllm-structures", "xgrammar-format"])
+def test_a_structural_tag_constrains_only_what_follows_its_trigger(manager, tag):
+    import xgrammar as xgr
+    grammar = manager.compile(StructuredOutputsParams(structural_tag=tag)).result()
+    for text, ok in [("free text <num>12</num> more", True), ("no trigger at all", True), ("x <num>twelve", False)]:
+        assert xgr.GrammarMatcher(grammar).accept_string(text) == ok, text

@@ -20,7 +20,7 @@ from heterollm.engine.llm_engine import LLMEngine
 from heterollm.engine.outputs import RequestOutput
 from heterollm.scheduler.request import RequestRejected
 from heterollm.interfaces import ExecutorDead
-from heterollm.sampling import SamplingParams
+from heterollm.sampling import SamplingParams, StructuredOutputError, StructuredOutputsParams
 
 logger = logging.getLogger("heterollm.engine")
 
@@ -89,6 +89,8 @@ class AsyncEngine:
         request and frees its blocks."""
         if not self.alive:
             raise self._not_running()
+        if params.structured_outputs is not None:
+            await self._compiled(params.structured_outputs)
         cost = len(prompt_token_ids or prompt) + (params.max_tokens or 0) * params.num_sequences
         with self._load_lock:
             self._load[request_id] = self._cost[request_id] = cost
@@ -107,6 +109,14 @@ class AsyncEngine:
             self.abort(request_id)
             raise
         return RequestStream(self, request_id, stream.queue, first_output_timeout)
+
+    async def _compiled(self, spec: StructuredOutputsParams) -> None:
+        """Wait, off the engine thread, for the request's grammar to compile: one that does not is a
+        RequestRejected naming its field, before anything is admitted."""
+        try:
+            await asyncio.wrap_future(self.engine.compile_grammar(spec))
+        except StructuredOutputError as exc:
+            raise RequestRejected(spec.field_name, str(exc.named(spec.field_name))) from None
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:

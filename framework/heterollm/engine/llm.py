@@ -12,6 +12,7 @@ from heterollm.engine.llm_engine import LLMEngine
 from heterollm.engine.outputs import RequestOutput
 from heterollm.interfaces import TokenLogprobs
 from heterollm.sampling import SamplingParams
+from heterollm.sampling.structured import GrammarState
 
 Prompt = str | list[int] | dict[str, Any]
 
@@ -93,6 +94,7 @@ class LLM:
 
     def _run(self, batch: list[tuple[str | None, list[int], SamplingParams]],
              priorities: list[int] | None = None) -> list[RequestOutput]:
+        self._compile_grammars([sp for _, _, sp in batch])
         order = []
         try:
             for i, (text, ids, sp) in enumerate(batch):
@@ -116,6 +118,14 @@ class LLM:
                 raise RuntimeError(f"requests {sorted(pending)} ended without output")
         return [done[rid] for rid in order]
 
+    def _compile_grammars(self, params: list[SamplingParams]) -> None:
+        """Compile every structured output constraint before admitting anything: one that does not
+        compile raises StructuredOutputError (a ValueError) naming the field."""
+        states = [GrammarState(self.engine.compile_grammar(sp.structured_outputs), sp.structured_outputs)
+                  for sp in params if sp.structured_outputs is not None]
+        for state in states:
+            state.result()
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 
@@ -123,4 +133,3 @@ class LLM:
 def _is_single_prompt(prompts: Any) -> bool:
     return isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
                                                  and isinstance(prompts[0], int))
-

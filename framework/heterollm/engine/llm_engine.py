@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,8 @@ from heterollm.model_executor.loader import ModelSource, resolve_model
 from heterollm.model_executor.runner import LaunchContext, model_max_len, resolve_dtype
 from heterollm.plugins import make_plugin_manager
 from heterollm.plugins.launch import launch_selection
-from heterollm.sampling import SamplingParams
+from heterollm.sampling import SamplingParams, StructuredOutputsParams
+from heterollm.sampling.structured import GrammarState, StructuredOutputManager
 from heterollm.scheduler import Scheduler
 from heterollm.engine.latency_profile import latency_targets, profile_step_time
 from heterollm.scheduler.policy import SchedulingPolicy
@@ -158,6 +159,8 @@ class LLMEngine:
                             "--max_cache_size lets it use the whole cache", idle_limit, idle_bytes / 2**20)
         self.kv_events = make_kv_event_publisher(kvc.kv_events_config, dp_rank=dp_rank)
         """Publishes the prefix cache's BlockStored/BlockRemoved events over ZeroMQ (--kv_events_config)."""
+        self.structured = self._structured_output_manager(config)
+        """Compiles grammars and fills bitmasks (--guided_decoding_backend); None when it is off."""
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_cache=kvc.enable_prefix_cache,
                                  hash_seed=kvc.xxh3_128bits_seed, record_events=self.kv_events is not None,
                                  idle_limit=idle_limit)
@@ -177,7 +180,35 @@ class LLMEngine:
                 self.profiler.model = self.scheduler.latency.model
             profile_step_time(self)
 
+    def _structured_output_manager(self, config: HeterollmConfig) -> StructuredOutputManager | None:
+        fd = config.fastdeploy
+        if fd.guided_decoding_backend == "off":
+            return None
+        return StructuredOutputManager(self.tokenizer.hf, self.vocab_size, self.eos_token_ids,
+                                       disable_any_whitespace=fd.guided_decoding_disable_any_whitespace)
+
     # -- requests --------------------------------------------------------------------------
+    def compile_grammar(self, spec: StructuredOutputsParams) -> Future:
+        """Start compiling a request's constraint (thread-safe, cached): front ends wait on it
+        before admitting the request, so a grammar that does not compile is a 400 naming the field.
+        The future's error is a StructuredOutputError."""
+        if self.structured is None:
+            raise RequestRejected(spec.field_name, "structured output is off on this engine "
+                                  "(--guided_decoding_backend=off); start it with --guided_decoding_backend auto "
+                                  "(or xgrammar)")
+        return self.structured.compile(spec)
+
+    def _grammar_states(self, params: SamplingParams, count: int) -> list[Any]:
+        """One GrammarState per sequence (None without structured output); a constraint whose
+        compile already failed is refused here."""
+        spec = params.structured_outputs
+        if spec is None:
+            return [None] * count
+        states = [GrammarState(self.compile_grammar(spec), spec) for _ in range(count)]
+        if states[0].error is not None:
+            raise RequestRejected(spec.field_name, states[0].error.reason)
+        return states
+
     def tokenize_prompt(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -216,10 +247,11 @@ class LLMEngine:
         now = time.monotonic()
         parent = _Parent(request_id, text, ids, params, now)
         children = []
+        grammars = self._grammar_states(params, params.num_sequences)
         for i in range(params.num_sequences):
             rid = request_id if params.num_sequences == 1 else f"{request_id}#{i}"
             req = Request(rid, ids, params, arrival_time=now, seed_offset=i, max_model_len=self.max_model_len,
-                          priority=priority, ttft_slo_ms=ttft_slo_ms)
+                          priority=priority, ttft_slo_ms=ttft_slo_ms, grammar=grammars[i])
             children.append(_Child(req, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens), i))
         added = []
         try:
@@ -292,16 +324,21 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; returns the outputs it produced. With schedule overlap, the
         step is left running and the outputs are those of the step before it."""
+        if self.scheduler.deferred:
+            failed = self._fail_grammars()
+            if failed:
+                return failed
         if self._worker is not None:
             return self._step_overlapped()
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
         if not so.requests:
             return self._stuck()
+        self._fill_grammar_bitmask(so)
         t1 = time.perf_counter()
         result, run_s = self._execute(so)
         t2 = time.perf_counter()
-        outputs = self._process(so, result, self.scheduler.update(so, result))
+        outputs = self._process(so, result, self._update(so, result))
         self._after_step(so, result, t1 - t0, t2, run_s)
         return outputs
 
@@ -321,9 +358,10 @@ class LLMEngine:
         if previous is not None:
             prev_so, future, prev_schedule_s = previous
             result, run_s = future.result()
-            changed = self.scheduler.update(prev_so, result)
+            changed = self._update(prev_so, result)
         self.scheduler.resolve()
         if so.requests:
+            self._fill_grammar_bitmask(so)
             self._in_flight = (so, self._worker.submit(self._execute, so), schedule_s)
         if previous is None:
             return []
@@ -332,8 +370,53 @@ class LLMEngine:
         self._after_step(prev_so, result, prev_schedule_s, t2, run_s)
         return outputs
 
+    def _update(self, so: SchedulerOutput, result: RunnerOutput) -> list[tuple[Request, list[int]]]:
+        """The scheduler takes the step's tokens; each sequence's grammar advances by them."""
+        changed = self.scheduler.update(so, result)
+        if self.structured is not None:
+            for request, tokens in changed:
+                if request.grammar is not None:
+                    self._advance_grammar(request, tokens)
+        return changed
+
+    def _advance_grammar(self, request: Request, tokens: list[int]) -> None:
+        for token in tokens:
+            if request.grammar.terminated:
+                return
+            if not request.grammar.accept(token):  # only when the mask left nothing (e.g. min_tokens vs EOS)
+                logger.error("request %s: token %d breaks its %s constraint; stopping it", request.request_id,
+                             token, request.grammar.spec.kind)
+                request.finish_reason = "abort"
+                return
+
+    def _fill_grammar_bitmask(self, so: SchedulerOutput) -> None:
+        """Give the step the grammar bitmask of each request that samples under one (after `resolve`:
+        every token a grammar has to see is known by then)."""
+        if self.structured is None:
+            return
+        states = []
+        for item in so.requests:
+            r = self.scheduler.requests.get(item.request_id)
+            if item.sample and r is not None and r.grammar is not None:
+                item.grammar_row = len(states)
+                states.append(r.grammar)
+        if states:
+            so.grammar_bitmask = self.structured.fill_bitmask(states)
+
+    def _fail_grammars(self) -> list[RequestOutput]:
+        """Requests whose grammar failed to compile after admission end (aborted, the reason logged)."""
+        failed = [r for r in self.scheduler.deferred if r.grammar.error is not None]
+        for r in failed:
+            logger.error("request %s: %s", r.request_id, r.grammar.error)
+            self.scheduler.finish(r.request_id, "abort")
+        return self._outputs({self._children[r.request_id][0].request_id for r in failed})
+
     def _stuck(self) -> list[RequestOutput]:
-        """Nothing could be scheduled: a waiting request that no free cache can hold is aborted."""
+        """Nothing could be scheduled: a waiting request that no free cache can hold is aborted; while
+        only grammars are compiling, wait (briefly) for one."""
+        if self.scheduler.deferred and not self.scheduler.waiting and not self.scheduler.running:
+            wait([r.grammar.future for r in self.scheduler.deferred], timeout=0.05, return_when=FIRST_COMPLETED)
+            return []
         if self.scheduler.waiting and not self.scheduler.running:
             stuck = self.scheduler.waiting[0]
             logger.error("request %s cannot be scheduled (KV cache too small for it); aborting it",
@@ -401,6 +484,8 @@ class LLMEngine:
                 return
         if r.finish_reason is None and (n_out >= (p.max_tokens or 1 << 30) or r.num_tokens >= self.max_model_len):
             r.finish_reason = "length"
+        if r.finish_reason is None and r.grammar is not None and r.grammar.terminated:
+            r.finish_reason = "stop"  # the grammar ended (its stop token was taken, even with ignore_eos)
         if r.finish_reason is not None:
             child.detok.flush()
             child.final_text = child.detok.text
@@ -469,5 +554,7 @@ class LLMEngine:
             self.profiler.flush()
         if self.kv_events is not None:
             self.kv_events.shutdown()
+        if self.structured is not None:
+            self.structured.shutdown()
         self.executor.shutdown()
         self._release_reservation()

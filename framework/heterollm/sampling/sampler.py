@@ -132,7 +132,8 @@ def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: list[
     for i in range(logprobs.shape[0]):
         alts = []
         if top is not None and num_top[i]:
-            alts = list(zip(top.indices[i, : num_top[i]].tolist(), top.values[i, : num_top[i]].tolist()))
+            alts = [(t, v) for t, v in zip(top.indices[i, : num_top[i]].tolist(), top.values[i, : num_top[i]].tolist())
+                    if v != float("-inf")]  # a token the grammar forbids is no alternative
         out.append(TokenLogprobs(int(chosen[i]), float(chosen_lp[i]), int(ranks[i]), alts))
     return out
 

@@ -27,13 +27,24 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 """The constraints a request may ask for, exactly one at a time (vLLM's StructuredOutputsParams)."""
 
 
+MAX_WHITESPACE = 24
+"""Most whitespace characters allowed between two JSON tokens (unbounded, a small model can fill
+max_tokens with newlines and never close the object)."""
+
+
 class StructuredOutputError(ValueError):
     """A constraint that is malformed or does not compile; `field` names the request field
     (HTTP 400 / CLI exit 2)."""
 
     def __init__(self, field_name: str, message: str) -> None:
         self.field = field_name
+        self.reason = message
         super().__init__(f"{field_name}: {message}")
+
+    def named(self, field_name: str) -> StructuredOutputError:
+        """The same reason, naming `field_name` (a cached compile may have failed for a request that
+        spelled the constraint through another field)."""
+        return StructuredOutputError(field_name, self.reason)
 
 
 @dataclass
@@ -170,8 +181,17 @@ class GrammarState:
         if not self.future.done():
             return None
         exc = self.future.exception()
-        return exc if isinstance(exc, StructuredOutputError) else (
-            StructuredOutputError(self.spec.field_name, compiler_reason(exc)) if exc else None)
+        if exc is None:
+            return None
+        return exc.named(self.spec.field_name) if isinstance(exc, StructuredOutputError) else \
+            StructuredOutputError(self.spec.field_name, compiler_reason(exc))
+
+    def result(self) -> Any:
+        """The compiled grammar (waits for it); StructuredOutputError naming this request's field."""
+        try:
+            return self.future.result()
+        except StructuredOutputError as exc:
+            raise exc.named(self.spec.field_name) from None
 
     @property
     def matcher(self) -> Any:
@@ -243,12 +263,12 @@ class StructuredOutputManager:
         return compiled
 
     def _build(self, spec: StructuredOutputsParams) -> Any:
-        c, any_ws = self.compiler, not spec.disable_any_whitespace
+        c, ws = self.compiler, self._whitespace(spec)
         kind = spec.kind
         if kind == "json":
-            return c.compile_json_schema(json.dumps(bounded_strings_as_patterns(spec.json)), any_whitespace=any_ws)
+            return c.compile_json_schema(json.dumps(bounded_strings_as_patterns(spec.json)), **ws)
         if kind == "json_object":
-            return c.compile_json_schema(json.dumps({"type": "object"}), any_whitespace=any_ws)
+            return c.compile_json_schema(json.dumps({"type": "object"}), **ws)
         if kind == "regex":
             return c.compile_regex(spec.regex)
         if kind == "choice":
@@ -261,6 +281,14 @@ class StructuredOutputManager:
                      for s in tag["structures"]]
             return c.compile_structural_tag(items, tag.get("triggers", []))
         return c.compile_structural_tag(json.dumps(tag))
+
+    @staticmethod
+    def _whitespace(spec: StructuredOutputsParams) -> dict[str, Any]:
+        """JSON whitespace: none with disable_any_whitespace, else at most MAX_WHITESPACE characters
+        between two tokens of JSON (pretty-printing fits; a model cannot loop on newlines forever)."""
+        if spec.disable_any_whitespace:
+            return {"any_whitespace": False}
+        return {"any_whitespace": True, "max_whitespace_cnt": MAX_WHITESPACE}
 
     def state(self, spec: StructuredOutputsParams) -> GrammarState:
         return GrammarState(self.compile(spec), spec)
