@@ -37,7 +37,7 @@ CASES = [
     ("/v1/completions", b'{"prompt": "x", "stop": 3}', 400, "stop", "string"),
     ("/v1/completions", b'{"prompt": "x", "stream": "yes"}', 400, "stream", "boolean"),
     ("/v1/completions", b'{"prompt": "x", "model": "gpt-4"}', 404, "model", "does not exist"),
-    ("/v1/completions", b'{"prompt": "x", "logit_bias": {"5": 1}}', 400, "logit_bias", "not supported"),
+    ("/v1/completions", b'{"prompt": "x", "logit_bias": {"99999999": 1}}', 400, "logit_bias", "vocabulary"),
     ("/v1/chat/completions", b'{"messages": []}', 400, "messages", "non-empty"),
     ("/v1/chat/completions", b'{"messages": "hi"}', 400, "messages", "array"),
     ("/v1/chat/completions", b'{"messages": [{"content": "hi"}]}', 400, "messages.0.role", "required"),

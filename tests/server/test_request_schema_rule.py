@@ -47,6 +47,10 @@ _SHARED = {  # the same tests cover both routes
     "priority": [_F + "test_priority_reaches_the_scheduler"],
     "request_id": [_F + "test_request_id_names_the_response_and_the_request"],
     "add_special_tokens": [_F + "test_add_special_tokens_reaches_the_tokenizer"],
+    "logit_bias": ["server/test_sampling_fields_api.py::test_logit_bias_on_both_routes"],
+    "allowed_token_ids": ["server/test_sampling_fields_api.py::test_allowed_token_ids_on_both_routes"],
+    "min_tokens": ["server/test_sampling_fields_api.py::test_min_tokens_masks_eos_on_both_routes"],
+    "truncate_prompt_tokens": ["server/test_sampling_fields_api.py::test_truncate_prompt_tokens_on_both_routes"],
 }
 EXERCISED: dict[str, dict[str, list[str]]] = {
     # route -> field -> tests ("file under tests/::function") that exercise it on that route
@@ -65,6 +69,7 @@ EXERCISED: dict[str, dict[str, list[str]]] = {
         "use_beam_search": ["server/test_beam_search_api.py::test_completions_choices_are_the_beams_best_first"],
         "length_penalty": ["server/test_beam_search_api.py::test_length_penalty_and_eos_over_http"],
         "prompt_logprobs": ["server/test_prompt_logprobs_api.py::test_completions_carry_them_per_choice"],
+        "best_of": ["server/test_sampling_fields_api.py::test_best_of_returns_the_highest_cumulative_logprob"],
     },
     "chat": {
         **_SHARED,
@@ -89,6 +94,7 @@ EXERCISED: dict[str, dict[str, list[str]]] = {
         "use_beam_search": ["server/test_beam_search_api.py::test_chat_choices_and_its_stream_are_the_beams"],
         "length_penalty": ["server/test_beam_search_api.py::test_length_penalty_and_eos_over_http"],
         "prompt_logprobs": ["server/test_prompt_logprobs_api.py::test_chat_carries_them_at_the_top_level"],
+        "bad_words": ["server/test_sampling_fields_api.py::test_bad_words_on_both_routes"],
     },
 }
 

@@ -99,7 +99,6 @@ def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
 
 IN_PROGRESS: frozenset[str] = frozenset({
     # being built now (issue 20); they move into WORKS with their tests when they land
-    "logit_bias", "bad_words", "allowed_token_ids", "min_tokens", "truncate_prompt_tokens", "best_of",
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag",
 })
@@ -139,6 +138,18 @@ WORKS: dict[str, dict[str, str]] = {
                                 "refuse stream=true, chat streams the finished answer (as vLLM)"},
     "length_penalty": {"both": "vLLM's: with use_beam_search, finished beams rank by cum_logprob / "
                                "len ** length_penalty (len counts the prompt, not a final EOS); else ignored"},
+    "logit_bias": {"both": "OpenAI's: {\"<token id>\": bias} added to the logits before sampling, each bias "
+                           "clamped to [-100, 100] (as vLLM); an id outside the vocabulary: 400. Logprobs stay the "
+                           "model's own"},
+    "bad_words": {"both": "vLLM's: words never generated; each is tokenized as-is and with a leading space; a one-token "
+                          "word's token is banned, a longer word's last token right after its other tokens"},
+    "allowed_token_ids": {"both": "vLLM's: only these tokens may be sampled (non-empty, in the vocabulary)"},
+    "min_tokens": {"both": "vLLM's: EOS (unless ignore_eos) and stop_token_ids are masked until this many tokens "
+                           "are out; stop strings are not checked before"},
+    "truncate_prompt_tokens": {"both": "vLLM's: keep only the last k prompt tokens (-1: max_model_len; more than "
+                                       "max_model_len: 400), before the context-length check"},
+    "best_of": {"both": "sample best_of (n..128) sequences and return the n with the highest cumulative logprob "
+                        "(vLLM v0); usage counts the returned ones; best_of > n with stream=true: 400"},
     "prompt_logprobs": {"completions": "vLLM's: 0-20; per choice, each prompt token's {token id: {logprob, rank, "
                                        "decoded_token}} (null for the first); not with stream=true unless 0",
                         "chat": "vLLM's: 0-20; at the top level of the response, as on completions"},

@@ -5,6 +5,7 @@ never a silent coercion. A field of OpenAI's or vLLM's schema that does not work
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -58,7 +59,15 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    """OpenAI's: token id (a string key) -> bias added to its logit, clamped to [-100, 100] as vLLM does."""
     best_of: int | None = None
+    """Sample best_of (>= n) sequences, return the n with the highest cumulative logprob (not with stream)."""
+    bad_words: list[str] | None = None
+    """vLLM's: words never generated (SamplingParams.bad_words)."""
+    allowed_token_ids: list[int] | None = None
+    """vLLM's: only these tokens may be sampled."""
+    truncate_prompt_tokens: int | None = None
+    """vLLM's: keep only the last k prompt tokens (-1: max_model_len)."""
     priority: int = 0
     """vLLM's field: lower is served first (needs --priority_strategy=priority)."""
     ttft_slo_ms: int | None = None
@@ -87,10 +96,16 @@ class _SamplingFields(_Body):
         return max(wanted) if wanted else None
 
     def check_common(self) -> None:
-        if self.logit_bias:
-            raise BadRequest("logit_bias is not supported yet", "logit_bias")
-        if self.best_of is not None and self.best_of != self.n:
-            raise BadRequest(f"best_of={self.best_of} is not supported; only best_of == n", "best_of")
+        if self.best_of is not None:
+            if not self.n <= self.best_of <= MAX_N:
+                raise BadRequest(f"best_of must be between n ({self.n}) and {MAX_N}, got {self.best_of}", "best_of")
+            if self.best_of > self.n and self.stream:
+                raise BadRequest("best_of > n cannot be streamed: which n sequences are returned is known only "
+                                 "when all best_of have finished", "best_of")
+        keep = self.truncate_prompt_tokens
+        if keep is not None and keep != -1 and keep < 1:
+            raise BadRequest(f"truncate_prompt_tokens must be -1 (max_model_len) or an integer >= 1, got {keep}",
+                             "truncate_prompt_tokens")
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed with stream=true", "stream_options")
         extra = _check_schema_fields(self)
@@ -112,10 +127,27 @@ class _SamplingFields(_Body):
                 seed=self.seed, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
                 ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
-                **kwargs)
+                logit_bias=self.token_logit_bias(), allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words or [], truncate_prompt_tokens=self.truncate_prompt_tokens,
+                best_of=self.best_of, **kwargs)
         except SamplingParamsError as exc:
             name = {"logprobs": logprobs_name}.get(exc.field, exc.field)
             raise BadRequest(str(exc).replace(f"{exc.field}:", f"{name}:", 1), name) from None
+
+    def token_logit_bias(self) -> dict[int, float] | None:
+        """logit_bias with integer token ids, each bias clamped to [-100, 100] (vLLM's reading)."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise BadRequest(f"logit_bias: the key {key!r} is not a token id (an integer)", "logit_bias") from None
+            if not math.isfinite(bias):
+                raise BadRequest(f"logit_bias: the bias of token {key} must be a finite number", "logit_bias")
+            out[token] = min(100.0, max(-100.0, float(bias)))
+        return out
 
 
 class _RuleFields(_Body):

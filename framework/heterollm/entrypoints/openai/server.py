@@ -8,6 +8,7 @@ the others in the batch (the engine checks it before admitting it).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -26,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from heterollm.engine.admission import truncate_prompt
 from heterollm.engine.async_engine import AsyncEngine, EngineError, RequestStream
 from heterollm.engine.llm_engine import LLMEngine
 from heterollm.engine.outputs import RequestOutput
@@ -276,6 +278,12 @@ class OpenAIServer:
                              f"{max_tokens_param}); lower {max_tokens_param}", max_tokens_param)
         return requested
 
+    def _truncated(self, text: str | None, ids: list[int], keep: int | None) -> tuple[str | None, list[int]]:
+        """vLLM's truncate_prompt_tokens: the last `keep` prompt tokens (before the length checks); a
+        text prompt that lost tokens is then known by the ones kept (an echo shows those)."""
+        kept = truncate_prompt(ids, keep, self.engine.max_model_len)
+        return (text if len(kept) == len(ids) else None), kept
+
     @lru_cache(maxsize=65536)
     def _token_str(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -288,7 +296,7 @@ class OpenAIServer:
             for i, (text, ids) in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 # each prompt gets its own copy: the engine fills in max_tokens per request
-                p = SamplingParams(**{**params.__dict__})
+                p = dataclasses.replace(params)
                 replica = self._replica(getattr(body, "prompt_cache_key", None))
                 streams.append(await replica.add(text if text is not None else ids, p, rid,
                                                            prompt_token_ids=ids,
@@ -356,8 +364,10 @@ class OpenAIServer:
                 prompts.append((None, list(p)))
         if any(not ids for _, ids in prompts):
             raise BadRequest("prompt must not be empty", "prompt")
-        if len(prompts) * body.n > MAX_N:
-            raise BadRequest(f"{len(prompts)} prompts x n={body.n} completions is more than {MAX_N}", "n")
+        prompts = [self._truncated(text, ids, body.truncate_prompt_tokens) for text, ids in prompts]
+        name, per_prompt = ("best_of", body.best_of) if body.best_of else ("n", body.n)
+        if len(prompts) * per_prompt > MAX_N:
+            raise BadRequest(f"{len(prompts)} prompts x {name}={per_prompt} completions is more than {MAX_N}", name)
         longest = max(len(ids) for _, ids in prompts)
         requested = body.max_tokens
         if "max_tokens" not in body.model_fields_set:  # OpenAI's default of 16, clamped to the context left
@@ -383,6 +393,7 @@ class OpenAIServer:
                              body.chat_template, body.chat_template_kwargs,
                              {"reasoning_effort": body.reasoning_effort, "documents": body.documents},
                              body.add_special_tokens)
+        _, ids = self._truncated(None, ids, body.truncate_prompt_tokens)
         max_tokens = self._max_tokens(len(ids), body.requested_max_tokens(), "messages",
                                       "max_completion_tokens" if body.max_completion_tokens is not None
                                       else "max_tokens")
