@@ -5,6 +5,7 @@ worker that dies fails the step, never hangs."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -96,3 +97,20 @@ def test_a_killed_worker_fails_the_step_and_stops_the_rest(tmp_path):
     with pytest.raises(ExecutorDead):
         engine.step()
     llm.shutdown()
+
+
+def test_structured_output_across_ranks(tmp_path):
+    """The grammar bitmask travels to the worker processes with the step: tp_size=2 gives the
+    constrained tokens tp_size=1 gives, and they match the regex."""
+    folder = build_tiny_model(tmp_path / "m", "llama")
+    params = SamplingParams(max_tokens=16, temperature=0.9, seed=3, n=2,
+                            structured_outputs={"regex": "[a-d]{3}-[0-9]{2}"})
+    texts = []
+    for tp in (1, 2):
+        llm = LLM(str(folder), **FLAGS, tp_size=tp, guided_decoding_backend="auto")
+        try:
+            texts.append([c.text for c in llm.generate([PROMPTS[1]], params)[0].outputs])
+        finally:
+            llm.shutdown()
+    assert texts[0] == texts[1]
+    assert all(re.fullmatch("[a-d]{3}-[0-9]{2}", t) for t in texts[0])
