@@ -97,11 +97,8 @@ def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
     return any(type(value) is type(v) and value == v for v in neutral)
 
 
-IN_PROGRESS: frozenset[str] = frozenset({
-    # being built now (issue 20); they move into WORKS with their tests when they land
-    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag",
-})
+IN_PROGRESS: frozenset[str] = frozenset()
+"""Fields being built; each moves into WORKS with its tests when it lands."""
 
 WORKS: dict[str, dict[str, str]] = {
     # name -> {route (or "both"): what it does and its limits}
@@ -153,6 +150,15 @@ WORKS: dict[str, dict[str, str]] = {
     "prompt_logprobs": {"completions": "vLLM's: 0-20; per choice, each prompt token's {token id: {logprob, rank, "
                                        "decoded_token}} (null for the first); not with stream=true unless 0",
                         "chat": "vLLM's: 0-20; at the top level of the response, as on completions"},
+    "response_format": {"both": "structured output (needs --guided_decoding_backend auto or xgrammar, else 400 naming "
+                                "it): {\"type\": \"json_schema\", \"json_schema\": {\"schema\", \"strict\"}}, "
+                                "{\"type\": \"json_object\"}, vLLM's {\"type\": \"structural_tag\", ...}, or "
+                                "\"text\"; a schema that does not compile: 400 with the compiler's reason"},
+    "structured_outputs": {"both": "vLLM's: one of json, regex, choice, grammar (EBNF / GBNF), json_object, "
+                                   "structural_tag, plus disable_any_whitespace; vLLM's older guided_json / "
+                                   "guided_regex / guided_choice / guided_grammar spell the same; needs "
+                                   "--guided_decoding_backend auto or xgrammar; a constraint that does not compile: "
+                                   "400 naming structured_outputs.<kind>"},
     "logprobs": {"completions": "0-20: OpenAI's legacy object (tokens, token_logprobs, top_logprobs, text_offset)",
                  "chat": "true: each token's logprob, with top_logprobs alternatives"},
     "top_logprobs": {"chat": "0-20, needs logprobs=true"},

@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from heterollm.entrypoints.openai.fields import REFUSED, refuse_fields
+from heterollm.entrypoints.openai.structured import StructuredFields
 from heterollm.sampling import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger("heterollm.server")
@@ -77,7 +78,6 @@ class _SamplingFields(_Body):
     """vLLM's field: beam search of width n (entrypoints/openai/beam_search.py)."""
     length_penalty: float = 1.0
     """vLLM's field: with use_beam_search, finished beams rank by cum_logprob / len ** length_penalty."""
-
     prompt_logprobs: int | None = None
     """vLLM's field: 0-20 top alternatives per prompt token (not with stream=true)."""
 
@@ -185,7 +185,7 @@ def _check_schema_fields(body: _Body) -> list[str]:
     return sorted(k for k in extra if not (k in REFUSED and route in REFUSED[k].routes))
 
 
-class CompletionRequest(_SamplingFields, _CompletionRuleFields):
+class CompletionRequest(_SamplingFields, _CompletionRuleFields, StructuredFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -234,7 +234,7 @@ def check_messages(messages: list[ChatMessage]) -> None:
             raise BadRequest(f"messages.{i}.content is required for a {m.role} message", f"messages.{i}.content")
 
 
-class ChatCompletionRequest(_SamplingFields, _ChatRuleFields):
+class ChatCompletionRequest(_SamplingFields, _ChatRuleFields, StructuredFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -247,14 +247,10 @@ class ChatCompletionRequest(_SamplingFields, _ChatRuleFields):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     def check(self) -> None:
         self.check_common()
         check_messages(self.messages)
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise BadRequest("response_format other than text is not supported yet (structured output is a "
-                             "later feature)", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequest("top_logprobs needs logprobs=true", "top_logprobs")
         if self.continue_final_message and self.add_generation_prompt:

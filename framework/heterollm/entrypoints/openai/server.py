@@ -38,6 +38,7 @@ from heterollm.entrypoints.openai.protocol import (
     MAX_N, BadRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, check_messages,
     parse_body)
 from heterollm.entrypoints.openai.responses import ResponseBuilder
+from heterollm.entrypoints.openai.structured import StructuredRequestError
 from heterollm.sampling import SamplingParams
 
 logger = logging.getLogger("heterollm.server")
@@ -333,6 +334,8 @@ class OpenAIServer:
             return self._error(exc.status, str(exc), exc.param)
         except RequestRejected as exc:
             return self._error(exc.status, str(exc), exc.field)
+        except StructuredRequestError as exc:
+            return self._error(400, str(exc), exc.field)
         except EngineError as exc:
             return self._error(500, str(exc))
         except _ClientGone:
@@ -377,6 +380,7 @@ class OpenAIServer:
             return await self._beam_search(request, body, prompts, max_tokens, "text_completion")
         want_prompt_lps = body.requested_prompt_logprobs(body.logprobs if body.echo else None)
         params = body.sampling_params(self.defaults, max_tokens, body.logprobs, want_prompt_lps, "logprobs")
+        params.structured_outputs = body.structured_spec()
         request_id = f"cmpl-{body.request_id or uuid.uuid4().hex}"
         streams = await self._admit(prompts, params, request_id, body)
         ctx = ResponseBuilder(self, request_id, "text_completion", body, prompts, streams, body.logprobs)
@@ -401,6 +405,7 @@ class OpenAIServer:
             return await self._beam_search(request, body, [(None, ids)], max_tokens, "chat.completion")
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(self.defaults, max_tokens, top, body.requested_prompt_logprobs(), "top_logprobs")
+        params.structured_outputs = body.structured_spec()
         request_id = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
         streams = await self._admit([(None, ids)], params, request_id, body)
         ctx = ResponseBuilder(self, request_id, "chat.completion", body, [(None, ids)], streams, top)
