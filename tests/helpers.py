@@ -28,10 +28,18 @@ def _tokenizer():
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
-def build_tiny_model(folder: Path, family: str, seed: int = 0, **overrides) -> Path:
+def build_tiny_model(folder: Path, family: str, seed: int = 0, head: str = "causal_lm",
+                     sentence_transformers: str | None = None, **overrides) -> Path:
+    """`head`: "causal_lm", or "classification" for the family's *ForSequenceClassification (a
+    cross-encoder; `num_labels` in overrides, default 1). `sentence_transformers`: write a
+    modules.json and 1_Pooling/config.json declaring that pooling ("LAST", "MEAN", "CLS"), with a
+    Normalize module, as sentence-transformers checkpoints carry them."""
     import transformers
 
     cfg_name, model_name, extra = FAMILIES[family]
+    if head == "classification":
+        model_name = model_name.replace("ForCausalLM", "ForSequenceClassification")
+        extra = {**extra, "num_labels": 1, "pad_token_id": 0}
     tok = _tokenizer()
     cfg = getattr(transformers, cfg_name)(
         vocab_size=len(tok), num_hidden_layers=2,
@@ -49,7 +57,20 @@ def build_tiny_model(folder: Path, family: str, seed: int = 0, **overrides) -> P
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     tok.save_pretrained(folder)
+    if sentence_transformers is not None:
+        _write_sentence_transformers(folder, sentence_transformers)
     return folder
+
+
+def _write_sentence_transformers(folder: Path, pooling: str) -> None:
+    import json
+    modes = {"LAST": "pooling_mode_lasttoken", "MEAN": "pooling_mode_mean_tokens", "CLS": "pooling_mode_cls_token"}
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({m: m == modes[pooling] for m in modes.values()}))
 
 
 def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -86,3 +107,47 @@ def hf_generate(folder: Path, ids: list[int], max_new_tokens: int, **kwargs) -> 
     with torch.no_grad():
         out = _hf_model(str(folder)).generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, **kwargs)
     return out[0, len(ids):].tolist()
+
+
+@functools.lru_cache(maxsize=4)
+def _hf_base_model(folder: str):
+    from transformers import AutoModel
+    return AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def hf_pooled(folder: Path, ids: list[int], pooling: str, normalize: bool = True,
+              dimensions: int | None = None) -> torch.Tensor:
+    """transformers' final hidden states (AutoModel's last_hidden_state, after the final norm) of `ids`,
+    pooled ("LAST", "MEAN", "CLS"), truncated to `dimensions`, then L2-normalized."""
+    with torch.no_grad():
+        hidden = _hf_base_model(str(folder))(torch.tensor([ids])).last_hidden_state[0]  # (len, hidden)
+    vec = {"LAST": hidden[-1], "MEAN": hidden.mean(0), "CLS": hidden[0]}[pooling]
+    vec = vec[:dimensions] if dimensions else vec
+    return torch.nn.functional.normalize(vec, dim=-1) if normalize else vec
+
+
+RERANKER_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+"""Qwen3-Reranker's model card: its default instruction, and the prompt around the pair."""
+_RERANKER_PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and "
+                    "the Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n"
+                    "<|im_start|>user\n")
+_RERANKER_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+def hf_reranker_ids(folder: Path, query: str, doc: str, instruction: str = RERANKER_INSTRUCTION) -> list[int]:
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(folder)
+    pair = f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {doc}"
+    return (tok.encode(_RERANKER_PREFIX, add_special_tokens=False) + tok.encode(pair, add_special_tokens=False)
+            + tok.encode(_RERANKER_SUFFIX, add_special_tokens=False))
+
+
+def hf_reranker_score(folder: Path, query: str, doc: str, instruction: str = RERANKER_INSTRUCTION) -> float:
+    """Qwen3-Reranker's score as its model card computes it, on transformers: the last position's
+    logits of "no" and "yes", log_softmax, exp of "yes"."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(folder)
+    no, yes = tok.convert_tokens_to_ids("no"), tok.convert_tokens_to_ids("yes")
+    with torch.no_grad():
+        logits = _hf_model(str(folder))(torch.tensor([hf_reranker_ids(folder, query, doc, instruction)])).logits[0, -1]
+    return torch.stack([logits[no], logits[yes]]).log_softmax(-1)[1].exp().item()

@@ -48,9 +48,12 @@ class FastDeployConfig(FlagGroup):
     chat_template: Optional[str] = flag(None, "chat 模板,字符串或文件路径;未指定时使用模型自带模板。")
     tool_parser_plugin: Optional[str] = flag(None, "要注册的 tool parser 文件路径。")
     load_choices: choice("default", "default_v1") = flag("default", "权重加载器: default 或 default_v1。")
+    runner: choice("auto", "generate", "pooling") = flag("auto", "模型 runner: auto、generate、pooling;pooling 即 xLLM 的 --task embed (embedding 服务)。")
+    convert: choice("auto", "none", "embed") = flag("auto", "将生成模型转换为 pooling 模型的方式 (配合 --runner pooling): auto、none、embed。")
+    pooler_config: JsonDict = flag(None, "pooling 配置 (JSON 对象),如 {\"pooling_type\": \"MEAN\", \"normalize\": true};pooling_type 取 LAST、MEAN、CLS。")
 
     @field_validator("mm_processor_kwargs", "limit_mm_per_prompt", "graph_optimization_config",
-                     "speculative_config", mode="before")
+                     "speculative_config", "pooler_config", mode="before")
     @classmethod
     def _parse_json_object(cls, value: Any) -> Any:
         return parse_json_object(value)

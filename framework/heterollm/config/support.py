@@ -41,6 +41,8 @@ RULES: dict[str, Rule] = {
              "use_audio_in_video audio_max_upload_file_mb audio_max_decode_duration_s enable_mm_encoder_dp "
              "enable_return_embedding_modality_tags mm_processor_kwargs limit_mm_per_prompt enable_mm", MULTIMODAL),
     **_rules("engine_worker_queue_port cache_queue_port", NO_EQUIVALENT),
+    "task": Rule("mm_embed embeds multimodal inputs; multimodal models are not supported yet (generate and embed "
+                 "work)", ok_values=("embed",)),
     **_rules("rpc_channel_timeout_ms num_threads num_request_handling_threads "
              "num_response_handling_threads", IN_PROCESS),
 }
@@ -51,9 +53,7 @@ def _planned(names: str, reason: str, ok: tuple[Any, ...] = ()) -> None:
 
 
 _planned("reasoning_parser tool_call_parser tool_parser_plugin", "tool calling / reasoning parsers")
-_planned("enable_qwen3_reranker", "reranking / embedding tasks")
 _planned("backend", "vlm and dit backends; --backend=llm is accepted", ok=("llm",))
-_planned("task", "embedding tasks; --task=generate is accepted", ok=("generate",))
 _planned("revision load_choices dynamic_load_weight use_warmup",
          "quantized execution / weight reloading (weights are dequantized on load)")
 _planned("kv_cache_ratio static_decode_blocks max_num_partial_prefills max_long_partial_prefills "

@@ -20,6 +20,7 @@ from heterollm.engine.llm_engine import LLMEngine
 from heterollm.engine.outputs import RequestOutput
 from heterollm.scheduler.request import RequestRejected
 from heterollm.interfaces import ExecutorDead
+from heterollm.pooling import PoolingParams
 from heterollm.sampling import SamplingParams, StructuredOutputError, StructuredOutputsParams
 
 logger = logging.getLogger("heterollm.engine")
@@ -80,7 +81,8 @@ class AsyncEngine:
     # -- the caller's side -----------------------------------------------------------------
     async def add(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                   prompt_token_ids: list[int] | None = None, first_output_timeout: float | None = None,
-                  priority: int = 0, ttft_slo_ms: int | None = None) -> RequestStream:
+                  priority: int = 0, ttft_slo_ms: int | None = None,
+                  pooling: PoolingParams | None = None) -> RequestStream:
         """Admit the request; its outputs then come from the returned stream.
 
         Raises RequestRejected when the engine refuses the request (nothing is admitted then).
@@ -98,8 +100,8 @@ class AsyncEngine:
         admitted = loop.create_future()
         stream = _Stream(loop, asyncio.Queue())
         try:
-            self._submit(("add", (prompt, params, request_id, prompt_token_ids, priority, ttft_slo_ms), admitted,
-                          stream))
+            self._submit(("add", (prompt, params, request_id, prompt_token_ids, priority, ttft_slo_ms, pooling),
+                          admitted, stream))
         except EngineError:
             self._unload(request_id)
             raise
@@ -207,14 +209,14 @@ class AsyncEngine:
 
     def _apply(self, kind: str, payload: Any, admitted: Any, stream: Any) -> None:
         if kind == "add":
-            prompt, params, request_id, ids, priority, ttft_slo_ms = payload
+            prompt, params, request_id, ids, priority, ttft_slo_ms, pooling = payload
             if self._closed:  # the final drain: nothing will run it
                 self._unload(request_id)
                 stream.loop.call_soon_threadsafe(_settle, admitted, self._not_running())
                 return
             try:
                 self.engine.add_request(prompt, params, request_id=request_id, prompt_token_ids=ids,
-                                        priority=priority, ttft_slo_ms=ttft_slo_ms)
+                                        priority=priority, ttft_slo_ms=ttft_slo_ms, pooling=pooling)
             except Exception as exc:  # RequestRejected and anything a bad prompt provokes
                 if not isinstance(exc, RequestRejected):
                     logger.exception("admitting request %s failed", request_id)

@@ -11,6 +11,7 @@ import torch
 
 from heterollm.config import HeterollmConfig
 from heterollm.config.base import INT32_MAX
+from heterollm.pooling import PoolingParams
 from heterollm.sampling import SamplingParams
 from heterollm.scheduler.latency import LatencyTargets, StepTimeModel
 
@@ -38,10 +39,13 @@ def profile_step_time(engine: LLMEngine) -> None:
     gen = torch.Generator().manual_seed(0)
     sizes = sorted({max(1, longest >> k) for k in range(0, 10, 2)})
     batches = [[(n, 1)] for n in sizes] + [[(32, 4)] * b for b in (1, 4, 16) if b <= cfg.max_seqs_per_batch]
+    # a launch that cannot generate (--task embed, a classifier) profiles its prompts as pooling requests
+    pooling = None if engine.pooling.generation_refusal() is None else PoolingParams(
+        task="embed" if engine.pooling.task == "embed" else "score")
     for batch in batches:
         ids = [engine.add_request(torch.randint(3, engine.vocab_size, (n,), generator=gen).tolist(),
                                   SamplingParams(max_tokens=m, temperature=0, ignore_eos=True),
-                                  request_id=f"__profile-{uuid.uuid4().hex}") for n, m in batch]
+                                  request_id=f"__profile-{uuid.uuid4().hex}", pooling=pooling) for n, m in batch]
         while any(engine.is_unfinished(i) for i in ids):
             engine.step()
     engine.kv.reset_counters()

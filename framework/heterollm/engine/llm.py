@@ -1,16 +1,21 @@
-"""The offline API: `LLM(model=..., **flags).generate(...)`, `.chat(...)` and `.beam_search(...)`."""
+"""The offline API: `LLM(model=..., **flags).generate(...)`, `.chat(...)`, `.beam_search(...)`, and for
+pooling launches `.embed(...)` and `.score(...)`."""
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 from heterollm.config import load_config
 from heterollm.config.checks import check_single_replica
 from heterollm.engine.beam_search import (BeamSearch, BeamSearchOutput, BeamSearchParams, chosen_logprobs,
                                           run_beam_search)
 from heterollm.engine.llm_engine import LLMEngine
-from heterollm.engine.outputs import RequestOutput
+from heterollm.engine.outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
 from heterollm.interfaces import TokenLogprobs
+from heterollm.pooling import PoolingParams
+from heterollm.pooling.scoring import cosine, pair_ids, pair_up
 from heterollm.sampling import SamplingParams
 from heterollm.sampling.structured import GrammarState
 
@@ -92,16 +97,50 @@ class LLM:
         run_beam_search(search, run_round)
         return search.outputs(lambda ids: self.engine.tokenizer.decode(ids, skip_special_tokens=True))
 
-    def _run(self, batch: list[tuple[str | None, list[int], SamplingParams]],
-             priorities: list[int] | None = None) -> list[RequestOutput]:
-        self._compile_grammars([sp for _, _, sp in batch])
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | None = None) -> list[EmbeddingRequestOutput]:
+        """Embeddings of every prompt in one continuous batch (a launch with task="embed", FastDeploy's
+        runner="pooling"); outputs in input order. `pooling_params`: `dimensions` (Matryoshka),
+        `normalize`, `pooling_type` (LAST, MEAN, CLS) over the launch's defaults. A launch that
+        cannot embed raises ValueError naming --task."""
+        params = pooling_params or PoolingParams()
+        self.engine.pooling.resolve(params)  # refuse before anything runs
+        items = [prompts] if _is_single_prompt(prompts) else list(prompts)
+        encoded = [self.engine.tokenize_prompt(p) for p in items]
+        outs = self._run([(text, ids, None) for text, ids in encoded], pooling=params)
+        return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, o.pooled.tolist()) for o in outs]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
+              instruction: str | None = None) -> list[ScoringRequestOutput]:
+        """Relevance scores of text pairs, vLLM's pairing (one text_1 against each text_2, or two lists
+        zipped): Qwen3-Reranker's P("yes") (enable_qwen3_reranker; `instruction` replaces its
+        default one), a one-label cross-encoder's sigmoid, or the cosine of two embeddings (task="embed")."""
+        pairs = pair_up(text_1 if isinstance(text_1, str) else list(text_1),
+                        text_2 if isinstance(text_2, str) else list(text_2))
+        setup = self.engine.pooling
+        if setup.scores_by_model:
+            params = setup.resolve(PoolingParams(task="score"))
+            batch = [(None, pair_ids(setup, self.get_tokenizer(), a, b, instruction), None) for a, b in pairs]
+            return [ScoringRequestOutput(o.request_id, o.prompt_token_ids, float(o.pooled[0]))
+                    for o in self._run(batch, pooling=params)]
+        setup.resolve(PoolingParams(task="score"))  # refuses a launch that cannot score
+        texts = [t for pair in pairs for t in pair]
+        vectors = self.embed(texts)
+        return [ScoringRequestOutput(vectors[2 * i].request_id, vectors[2 * i].prompt_token_ids + vectors[2 * i + 1]
+                                     .prompt_token_ids, cosine(torch.tensor(vectors[2 * i].embedding),
+                                                               torch.tensor(vectors[2 * i + 1].embedding)))
+                for i in range(len(pairs))]
+
+    def _run(self, batch: list[tuple[str | None, list[int], SamplingParams | None]],
+             priorities: list[int] | None = None, pooling: PoolingParams | None = None) -> list[RequestOutput]:
+        self._compile_grammars([sp for _, _, sp in batch if sp is not None])
         order = []
         try:
             for i, (text, ids, sp) in enumerate(batch):
                 self._counter += 1
                 rid = f"offline-{self._counter}"
                 self.engine.add_request(text if text is not None else ids, sp, request_id=rid, prompt_token_ids=ids,
-                                        priority=priorities[i] if priorities else 0)
+                                        priority=priorities[i] if priorities else 0, pooling=pooling)
                 order.append(rid)
         except Exception:
             for rid in order:

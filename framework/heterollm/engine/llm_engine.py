@@ -28,6 +28,8 @@ from heterollm.model_executor.loader import ModelSource, resolve_model
 from heterollm.model_executor.runner import LaunchContext, model_max_len, resolve_dtype
 from heterollm.plugins import make_plugin_manager
 from heterollm.plugins.launch import launch_selection
+from heterollm.pooling import PoolingParams
+from heterollm.pooling.task import build_setup
 from heterollm.sampling import SamplingParams, StructuredOutputsParams
 from heterollm.sampling.structured import GrammarState, StructuredOutputManager
 from heterollm.scheduler import Scheduler
@@ -149,6 +151,9 @@ class LLMEngine:
                                         self.source.eos_token_ids, config.fastdeploy.chat_template)
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self.vocab_size = self.source.hf_config.vocab_size
+        self.pooling = build_setup(config, self.source.hf_config, self.source.folder, self.tokenizer.hf,
+                                   (self.source.architectures or [""])[0])
+        """What this launch serves: generation, embeddings, scores (--task, --enable_qwen3_reranker)."""
         kvc = config.kv_cache
         idle_limit = None
         idle_bytes = self.selection.platform.idle_kv_budget_bytes
@@ -228,14 +233,19 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int] | dict[str, Any], params: SamplingParams | None = None,
                     request_id: str | None = None, prompt_token_ids: list[int] | None = None,
-                    priority: int = 0, ttft_slo_ms: int | None = None) -> str:
+                    priority: int = 0, ttft_slo_ms: int | None = None, pooling: PoolingParams | None = None) -> str:
         """Admit a request (raises RequestRejected naming the bad field; nothing is admitted then).
+
+        `pooling`: an embedding or scoring request (heterollm.pooling): its prompt runs like any
+        prompt, then it ends with RequestOutput.pooled instead of tokens (of `params` only
+        truncate_prompt_tokens counts). A launch that cannot serve it, or that cannot generate when
+        `pooling` is None, refuses it naming --task.
 
         `priority` (lower first) needs --priority_strategy=priority; `ttft_slo_ms` is the time to first
         token the request asks for: the deadline under --priority_strategy=deadline, and counted as
         missed (RequestMetrics.ttft_slo_missed) under every strategy when the first token is later."""
         self._check_scheduling_fields(priority, ttft_slo_ms)
-        params = params or SamplingParams()
+        params, pooling = self._task_params(params, pooling)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._parents:
             raise RequestRejected("request_id", f"request id {request_id!r} is already in use")
@@ -251,7 +261,7 @@ class LLMEngine:
         for i in range(params.num_sequences):
             rid = request_id if params.num_sequences == 1 else f"{request_id}#{i}"
             req = Request(rid, ids, params, arrival_time=now, seed_offset=i, max_model_len=self.max_model_len,
-                          priority=priority, ttft_slo_ms=ttft_slo_ms, grammar=grammars[i])
+                          priority=priority, ttft_slo_ms=ttft_slo_ms, grammar=grammars[i], pooling=pooling)
             children.append(_Child(req, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens), i))
         added = []
         try:
@@ -286,6 +296,18 @@ class LLMEngine:
             self.plugins.hook.heterollm_on_request_finished(request_id=output.request_id, output=output)
         except Exception:
             logger.exception("a plugin's heterollm_on_request_finished failed for %s", output.request_id)
+
+    def _task_params(self, params: SamplingParams | None,
+                     pooling: PoolingParams | None) -> tuple[SamplingParams, PoolingParams | None]:
+        """Generation: the params as given (RequestRejected when this launch cannot generate).
+        Pooling: the launch's defaults filled in, and params for one greedy step that never samples."""
+        if pooling is None:
+            refusal = self.pooling.generation_refusal()
+            if refusal is not None:
+                raise RequestRejected("task", refusal)
+            return params or SamplingParams(), None
+        keep = params.truncate_prompt_tokens if params is not None else None
+        return SamplingParams(max_tokens=1, temperature=0, truncate_prompt_tokens=keep), self.pooling.resolve(pooling)
 
     def _check_scheduling_fields(self, priority: int, ttft_slo_ms: int | None) -> None:
         if isinstance(priority, bool) or not isinstance(priority, int) or not -2**31 <= priority < 2**31:
@@ -445,6 +467,8 @@ class LLMEngine:
             if request.request_id not in self._children:  # aborted while the step ran
                 continue
             parent, child = self._children[request.request_id]
+            if request.pooled is not None and child.final_text is None:  # a pooling request is done
+                request.finish_reason, child.final_text = "stop", ""
             if request.first_token_time is None:
                 request.first_token_time = now
                 if request.deadline is not None and now > request.deadline:
@@ -542,7 +566,8 @@ class LLMEngine:
             ttft_slo_missed=any(c.request.ttft_slo_missed for c in parent.children))
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions,
                              parent.finished, metrics,
-                             first.prompt_logprobs if parent.params.prompt_logprobs is not None else None)
+                             first.prompt_logprobs if parent.params.prompt_logprobs is not None else None,
+                             first.pooled)
 
     def shutdown(self) -> None:
         if self._worker is not None:

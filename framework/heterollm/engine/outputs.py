@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from heterollm.interfaces import TokenLogprobs
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -63,3 +67,24 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    pooled: torch.Tensor | None = None
+    """A pooling request's result (CPU, fp32): its embedding, or its relevance score as a (1,) tensor;
+    `outputs` then holds one completion without tokens."""
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """`LLM.embed`'s result for one prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float]
+
+
+@dataclass
+class ScoringRequestOutput:
+    """`LLM.score`'s result for one pair: its relevance score."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    score: float

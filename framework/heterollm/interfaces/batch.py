@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from heterollm.pooling import PoolingParams
     from heterollm.sampling import SamplingParams
 
 
@@ -41,6 +42,9 @@ class ScheduledRequest:
     want_prompt_logprobs: bool = False
     grammar_row: int | None = None
     """Structured output: this request's row of SchedulerOutput.grammar_bitmask (None: no grammar)."""
+    pooling: PoolingParams | None = None
+    """An embedding or scoring request: pooled instead of sampled once `sample` is True (its prompt
+    is complete); None for a generation request."""
 
 
 @dataclass
@@ -77,6 +81,9 @@ class RunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs] | None]
     prompt_logprobs: list[list[TokenLogprobs | None] | None]
+    pooled: list[torch.Tensor | None] | None = None
+    """Per scheduled request: the pooled output (CPU, fp32) of a pooling request whose prompt this step
+    completed, else None; None when the step held no pooling request."""
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds spent in this step's phases on the worker ("prepare", "forward", "sample"), for
     --enable_profile_step_time."""

@@ -20,6 +20,7 @@ from heterollm.model_executor.linear_method import model_bytes, prepare_linears,
 from heterollm.model_executor.loader import ModelSource, iter_weights
 from heterollm.model_executor.parallel import ParallelContext
 from heterollm.model_executor.registry import get_model_class
+from heterollm.pooling.pooler import Pooler
 from heterollm.sampling.sampler import Sampler, SamplingRow, gather_logprobs
 
 if TYPE_CHECKING:
@@ -127,6 +128,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.generators: dict[str, torch.Generator] = {}
+        self.pooler = Pooler(lambda hidden: self.model.compute_logits(hidden))
+        """Embedding and scoring requests: pooled from the final hidden states instead of sampled."""
         self.model: Any = None
         self.weight_bytes = 0
 
@@ -265,6 +268,7 @@ class ModelRunner:
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
         for request_id in so.finished_request_ids:
             self.generators.pop(request_id, None)
+        self.pooler.forget(so.finished_request_ids)
         reqs = so.requests
         if not reqs:
             return RunnerOutput([], [], [], [])
@@ -275,6 +279,7 @@ class ModelRunner:
         t2 = time.perf_counter()
         ends = torch.tensor([len(r.new_token_ids) for r in reqs]).cumsum(0).tolist()
         sampled = self._sample(reqs, hidden, ends, so.grammar_bitmask)
+        pooled = self.pooler(reqs, hidden, ends) if any(r.pooling is not None for r in reqs) else None
         prompt_lps: list[list[TokenLogprobs | None] | None] = [None] * len(reqs)
         for i, r in enumerate(reqs):
             if r.want_prompt_logprobs:
@@ -285,7 +290,7 @@ class ModelRunner:
             sampled_token_ids=[[sampled[i][0]] if i in sampled else [] for i in range(len(reqs))],
             logprobs=[[sampled[i][1]] if i in sampled and sampled[i][1] is not None else None
                       for i in range(len(reqs))],
-            prompt_logprobs=prompt_lps,
+            prompt_logprobs=prompt_lps, pooled=pooled,
             timings={"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2})
 
     def _prepare(self, reqs: list[ScheduledRequest]) -> StepInputs:
@@ -306,7 +311,7 @@ class ModelRunner:
                 grammar_bitmask: torch.Tensor | None = None) -> dict[int, tuple[int, TokenLogprobs | None]]:
         """Sample the requests that finish their step's tokens: batch index -> (token, logprobs).
         Requests with a grammar sample under their row of `grammar_bitmask`."""
-        sample_idx = [i for i, r in enumerate(reqs) if r.sample]
+        sample_idx = [i for i, r in enumerate(reqs) if r.sample and r.pooling is None]
         if not sample_idx:
             return {}
         rows_h = hidden[torch.tensor([ends[i] - 1 for i in sample_idx], device=self.device)]

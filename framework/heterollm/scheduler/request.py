@@ -64,6 +64,11 @@ class Request:
     grammar: Any = None
     """Structured output: the sequence's GrammarState (sampling/structured.py); the scheduler holds
     the request back until `grammar.ready` (its grammar has compiled)."""
+    pooling: Any = None
+    """An embedding or scoring request's PoolingParams (heterollm.pooling): it runs its prompt and ends
+    with `pooled` instead of a token; None for a generation request."""
+    pooled: Any = None
+    """The pooled output (a CPU tensor) once the runner has produced it."""
 
     @functools.cached_property
     def sampling_info(self) -> SamplingInfo:
@@ -99,6 +104,13 @@ class Request:
     def deadline(self) -> float | None:
         """Monotonic time by which the first token is due (arrival + ttft_slo_ms)."""
         return None if self.ttft_slo_ms is None else self.arrival_time + self.ttft_slo_ms / 1000
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Whether every prompt position must be computed here (no prefix-cache hits): prompt logprobs,
+        or pooling over positions before the last (MEAN, CLS)."""
+        return self.params.prompt_logprobs is not None or (self.pooling is not None
+                                                           and self.pooling.needs_every_position)
 
     @property
     def finished(self) -> bool:

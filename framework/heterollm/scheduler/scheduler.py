@@ -76,7 +76,7 @@ class Scheduler:
         n = request.num_prompt_tokens
         if n == 0:
             raise RequestRejected("prompt", "the prompt is empty")
-        if n >= self.max_model_len:
+        if n >= self.max_model_len + (request.pooling is not None):  # pooling samples no token after it
             raise RequestRejected("prompt", f"the prompt has {n} tokens, but the model's context length "
                                             f"(max_model_len) is {self.max_model_len}; shorten it")
         if not self.config.enable_chunked_prefill and n > self.config.max_tokens_per_batch:
@@ -269,9 +269,8 @@ class Scheduler:
 
     def _match_prefix(self, request: Request) -> int:
         """Tokens of a waiting request already in the prefix cache (0 when it is off, the request
-        wants prompt logprobs, which need every prompt position computed, or it is part way in)."""
-        if (not self.kv.enable_prefix_cache or request.num_computed_tokens
-                or request.params.prompt_logprobs is not None):
+        needs every prompt position computed (prompt logprobs, MEAN or CLS pooling), or it is part way in)."""
+        if not self.kv.enable_prefix_cache or request.num_computed_tokens or request.needs_every_position:
             return request.num_computed_tokens
         return self.kv.match_prefix(request.request_id, request.all_token_ids)
 
@@ -281,7 +280,7 @@ class Scheduler:
         long prompt running ahead of it with a bigger share of the token budget)."""
         request.num_prefill_chunks += 1
         kv, done = self.kv, request.num_computed_tokens
-        if (not kv.enable_prefix_cache or request.params.prompt_logprobs is not None or done % kv.block_size
+        if (not kv.enable_prefix_cache or request.needs_every_position or done % kv.block_size
                 or request.num_prefill_chunks % self.config.chunked_match_frequency):
             return
         extra = kv.match_prefix(request.request_id, request.all_token_ids, start_block=done // kv.block_size)
@@ -320,7 +319,7 @@ class Scheduler:
             item = ScheduledRequest(
                 request_id=request_id, new_token_ids=tokens, num_computed_tokens=start,
                 block_ids=list(self.kv.tables[request_id]), sample=sample, sampling=r.sampling_info,
-                output_token_ids=r.output_token_ids, prompt_token_ids=r.prompt_token_ids,
+                output_token_ids=r.output_token_ids, prompt_token_ids=r.prompt_token_ids, pooling=r.pooling,
                 want_prompt_logprobs=r.params.prompt_logprobs is not None
                 and start < r.num_prompt_tokens - 1 and min(start + num_new, r.num_prompt_tokens - 1) >= self._have(r))
             items.append(item)
@@ -346,9 +345,10 @@ class Scheduler:
 
     def update(self, output: SchedulerOutput, result: RunnerOutput) -> list[tuple[Request, list[int]]]:
         """Append a step's sampled tokens and cache the blocks it completed; returns (request, new
-        tokens) pairs."""
+        tokens) pairs, a pooling request that got its pooled output with no tokens."""
         sampled = dict(zip(result.request_ids, zip(result.sampled_token_ids, result.logprobs,
                                                     result.prompt_logprobs)))
+        pooled = dict(zip(result.request_ids, result.pooled or ()))
         changed = []
         for item in output.requests:
             r = self.requests.get(item.request_id)
@@ -362,6 +362,9 @@ class Scheduler:
             tokens, lps, plps = sampled.get(item.request_id, ([], None, None))
             if plps is not None:  # after a preemption, the recomputed chunks repeat positions already had
                 r.prompt_logprobs = (r.prompt_logprobs or [None]) + plps[self._have(r) - item.num_computed_tokens - 1:]
+            if pooled.get(item.request_id) is not None:
+                r.pooled = pooled[item.request_id]
+                changed.append((r, []))
             if tokens:
                 r.output_token_ids.extend(tokens)
                 if lps:

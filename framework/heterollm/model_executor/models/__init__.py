@@ -9,5 +9,9 @@ CORE_BACKEND = Backend(
         "MistralForCausalLM": "heterollm.model_executor.models.llama:LlamaForCausalLM",
         "Qwen2ForCausalLM": "heterollm.model_executor.models.llama:Qwen2ForCausalLM",
         "Qwen3ForCausalLM": "heterollm.model_executor.models.llama:Qwen3ForCausalLM",
+        "LlamaForSequenceClassification": "heterollm.model_executor.models.llama:LlamaForSequenceClassification",
+        "MistralForSequenceClassification": "heterollm.model_executor.models.llama:LlamaForSequenceClassification",
+        "Qwen2ForSequenceClassification": "heterollm.model_executor.models.llama:Qwen2ForSequenceClassification",
+        "Qwen3ForSequenceClassification": "heterollm.model_executor.models.llama:Qwen3ForSequenceClassification",
     },
 )

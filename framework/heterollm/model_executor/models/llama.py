@@ -110,6 +110,11 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = self.force_qkv_bias or attention_bias
         o_bias = attention_bias and not self.force_qkv_bias
         self.model = DecoderModel(hf_config, pctx, qkv_bias, o_bias, self.qk_norm, max_positions, self.mlp_class)
+        self.build_head(hf_config, pctx)
+
+    def build_head(self, hf_config: Any, pctx: ParallelContext) -> None:
+        """The output projection `compute_logits` applies: the LM head (tied to the embedding when the
+        config says so)."""
         self.tie = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, pctx)
         if self.tie:
@@ -165,4 +170,25 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True
+
+
+class LlamaForSequenceClassification(LlamaForCausalLM):
+    """A cross-encoder / reward checkpoint: the same decoder with a `score` head of one row per label
+    instead of the LM head; `compute_logits` gives the label logits (the pooler reads the last
+    position's)."""
+
+    def build_head(self, hf_config: Any, pctx: ParallelContext) -> None:
+        self.tie = False
+        self.score = ParallelLMHead(int(getattr(hf_config, "num_labels", 1)), hf_config.hidden_size, pctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.score.logits(hidden)
+
+
+class Qwen2ForSequenceClassification(LlamaForSequenceClassification):
+    force_qkv_bias = True
+
+
+class Qwen3ForSequenceClassification(LlamaForSequenceClassification):
     qk_norm = True
