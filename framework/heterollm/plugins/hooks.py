@@ -3,7 +3,8 @@
 A general plugin is any object (usually a module) with functions marked `@hookimpl`. It observes
 or refuses requests without patching the core. Every hookspec here is called by the core: the
 engine builds one plugin manager when it starts and calls the request hooks on every request it
-admits and finishes. (Model architectures come from backend descriptors' `models`, one mechanism.)
+admits and finishes, and the OpenAI server calls the parser hook once when it starts. (Model
+architectures come from backend descriptors' `models`, one mechanism.)
 
     from heterollm.plugins import hookimpl
 
@@ -22,6 +23,7 @@ from heterollm.plugins.registry import Registry, get_registry
 
 if TYPE_CHECKING:  # the engine's types, named only in signatures (the engine imports this module)
     from heterollm.engine.outputs import RequestOutput
+    from heterollm.parsers import ParserRegistry
     from heterollm.sampling import SamplingParams
 
 PROJECT = "heterollm"
@@ -48,6 +50,15 @@ class HeterollmHookSpec:
         reason: finished (`stop`, `length`) or aborted (client gone, failed step, no room in the
         KV cache). `output` is its final RequestOutput (every choice has its finish_reason). An
         exception raised here is logged and ignored."""
+
+    @hookspec
+    def heterollm_register_parsers(self, registry: ParserRegistry) -> None:
+        """Called once by the OpenAI server when it starts (every plugin's, and the file
+        `--tool_parser_plugin` names): add tool-call formats with
+        `registry.register_tool_parser(name, cls)` (a `heterollm.parsers.ToolParser` subclass) and
+        reasoning formats with `registry.register_reasoning_parser(name, cls)`; `--tool_call_parser`
+        / `--reasoning_parser` then select them by name. A name already taken is a launch error
+        naming both origins."""
 
 
 def make_plugin_manager(registry: Registry | None = None) -> pluggy.PluginManager:
