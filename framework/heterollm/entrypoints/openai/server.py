@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP server (FastAPI): /v1/completions, /v1/chat/completions (streaming
-with Server-Sent Events), /v1/models, /tokenize, /detokenize, /health, /metrics.
+with Server-Sent Events), /v1/embeddings, /v1/rerank, /v1/score (pooling.py), /v1/models, /tokenize,
+/detokenize, /health, /metrics.
 
 Every refusal is an OpenAI error body `{"error": {"message", "type", "param", "code"}}` with the
 field at fault in `param`; no traceback ever reaches a client, and one bad request never touches
@@ -34,6 +35,7 @@ from heterollm.engine.outputs import RequestOutput
 from heterollm.scheduler.request import RequestRejected
 from heterollm.entrypoints.openai.beam_search import FinishedStream, run_beam_search_request
 from heterollm.entrypoints.openai.metrics import ServerMetrics
+from heterollm.entrypoints.openai.pooling import PoolingRoutes
 from heterollm.entrypoints.openai.protocol import (
     MAX_N, BadRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, check_messages,
     parse_body)
@@ -169,6 +171,7 @@ class OpenAIServer:
                                      ("/detokenize", self.detokenize, DetokenizeRequest)):
             app.add_api_route(path, handler, methods=["POST"], openapi_extra={"requestBody": {
                 "required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}})
+        PoolingRoutes(self).register(app)
         return app
 
     def _error(self, status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -318,6 +321,9 @@ class OpenAIServer:
         return min(alive, key=lambda r: r.load)
 
     async def _run(self, request: Request, kind: str) -> Response:
+        refusal = self.engine.pooling.generation_refusal()  # --task embed, a classifier checkpoint
+        if refusal is not None:
+            return self._error(400, refusal)
         limit = self.settings.max_concurrent_requests
         if limit and self.in_flight >= limit:
             return self._error(429, f"the server is at max_concurrent_requests={limit}; retry later")
