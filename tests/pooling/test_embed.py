@@ -114,3 +114,20 @@ def test_a_prompt_may_fill_the_context(tmp_path):
             llm.embed([list(range(3, 36))])
     finally:
         llm.shutdown()
+
+
+def test_preemption_and_schedule_overlap_keep_the_vectors(tiny):
+    """A cache of 6 blocks for four 32-token prompts in chunks of 8: requests are preempted part way
+    and recomputed (the pooler starts over at position 0); with --enable_schedule_overlap the step
+    after a pooled prompt is scheduled before its output is known."""
+    prompts = [list(range(3 + i, 35 + i)) for i in range(4)]
+    for flags in ({"num_gpu_blocks_override": 6, "max_model_len": 40, "enable_prefix_cache": False},
+                  {"enable_schedule_overlap": True}):
+        llm = make_llm(tiny, enable_chunked_prefill=True, max_tokens_per_chunk_for_prefill=8, max_tokens_per_batch=32,
+                       **flags)
+        try:
+            assert_matches(tiny, llm.embed(prompts, PoolingParams(pooling_type="MEAN")), prompts, "MEAN")
+            if "num_gpu_blocks_override" in flags:
+                assert llm.engine.scheduler.num_preemptions > 0
+        finally:
+            llm.shutdown()
