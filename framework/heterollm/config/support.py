@@ -52,7 +52,6 @@ def _planned(names: str, reason: str, ok: tuple[Any, ...] = ()) -> None:
     RULES.update(_rules(names, f"not built yet ({reason})", ok))
 
 
-_planned("reasoning_parser tool_call_parser tool_parser_plugin", "tool calling / reasoning parsers")
 _planned("backend", "vlm and dit backends; --backend=llm is accepted", ok=("llm",))
 _planned("revision load_choices dynamic_load_weight use_warmup",
          "quantized execution / weight reloading (weights are dequantized on load)")

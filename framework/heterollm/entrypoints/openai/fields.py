@@ -34,7 +34,7 @@ class Refused:
         return f"{name} is not supported: {self.reason}" + (f"; only {ok} is accepted" if ok else "")
 
 
-_NO_TOOLS = "tool calling is not implemented (no tool-call parser is wired into the server)"
+_OLD_TOOLS = "the deprecated function-calling form is not accepted"
 _NO_STORE = "heterollm keeps no record of a request once it is answered"
 _REPETITION = "stopping on repeated token patterns is not implemented"
 
@@ -56,11 +56,9 @@ REFUSED: dict[str, Refused] = {
     "suffix": Refused("fill-in-the-middle needs the model's own infilling prompt format, which is not "
                       "implemented", (None, ""), ("completions",)),
     # -- chat -------------------------------------------------------------------------------
-    "tools": Refused(_NO_TOOLS, (None, []), ("chat",)),
-    "tool_choice": Refused(_NO_TOOLS, (None, "none"), ("chat",)),
-    "parallel_tool_calls": Refused(_NO_TOOLS, (None, True), ("chat",)),
-    "functions": Refused(_NO_TOOLS + " (functions is the deprecated form of tools)", (None, []), ("chat",)),
-    "function_call": Refused(_NO_TOOLS + " (function_call is the deprecated form of tool_choice)", (None, "none"), ("chat",)),
+    "functions": Refused(_OLD_TOOLS + "; send `tools` (functions is their deprecated form)", (None, []), ("chat",)),
+    "function_call": Refused(_OLD_TOOLS + "; send `tool_choice` (function_call is its deprecated form)",
+                             (None, "none"), ("chat",)),
     "audio": Refused("the models served generate text only", (None,), ("chat",)),
     "modalities": Refused("the models served generate text only", (None, ["text"]),
                           ("chat",)),
@@ -75,9 +73,6 @@ REFUSED: dict[str, Refused] = {
                                     "or lifetimes", (None,), ("chat",)),
     "prompt_cache_retention": Refused("cached prefixes live in memory until evicted",
                                       (None, "in_memory"), ("chat",)),
-    "include_reasoning": Refused("the answer is not split into reasoning and content (no reasoning parser is wired "
-                                 "into the server), so reasoning cannot be left out",
-                                 (None, True), ("chat",)),
     "mm_processor_kwargs": Refused("the models served take text only (no multimodal processor)", (None, {}),
                                    ("chat",)),
 }
@@ -169,7 +164,9 @@ WORKS: dict[str, dict[str, str]] = {
     "continue_final_message": {"chat": "vLLM's: the answer continues the final assistant message (needs "
                                        "add_generation_prompt=false)"},
     "chat_template": {"chat": "vLLM's: a Jinja template replacing the model's (or --chat_template) for this request"},
-    "chat_template_kwargs": {"chat": "vLLM's: extra variables for the chat template"},
+    "chat_template_kwargs": {"chat": "vLLM's: extra variables for the chat template (enable_thinking: with "
+                                     "--reasoning_parser, the rendered prompt decides whether the answer starts in "
+                                     "reasoning)"},
     "add_special_tokens": {"completions": "vLLM's: add the tokenizer's special tokens (BOS) to a text prompt "
                                           "(default true)",
                            "chat": "vLLM's: add the tokenizer's special tokens on top of the chat template's "
@@ -187,6 +184,15 @@ WORKS: dict[str, dict[str, str]] = {
                           "400 when the template does not read it"},
     "safety_identifier": {"chat": "an opaque end-user id (OpenAI's successor of user): accepted, and by definition "
                                   "it changes nothing in the answer"},
+    "tools": {"chat": "function tools; with tool_choice auto (the default) the answer's calls are parsed by "
+                      "--tool_call_parser (400 without it) into message.tool_calls, finish_reason \"tool_calls\"; "
+                      "tools are passed to the chat template; a malformed schema: 400 naming it"},
+    "tool_choice": {"chat": "auto, none (tools stay in the prompt, nothing is parsed), required or a named function: "
+                            "those two decode under structured output (needs --guided_decoding_backend auto, else "
+                            "400), so the call is valid JSON for its schema; a function not in tools: 400"},
+    "parallel_tool_calls": {"chat": "false keeps only the first call (required is constrained to one)"},
+    "include_reasoning": {"chat": "vLLM's: with --reasoning_parser, false leaves reasoning_content out (without the "
+                                  "parser false is a 400)"},
     "prompt_cache_key": {"chat": "with --dp_size > 1, requests with the same key go to the same replica, so they "
                                  "share its prefix cache; with one replica the prefix cache already matches every "
                                  "request's prefix, and the key changes nothing"},

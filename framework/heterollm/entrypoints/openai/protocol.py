@@ -4,6 +4,7 @@ never a silent coercion. A field of OpenAI's or vLLM's schema that does not work
 (fields.py holds the table); other unknown fields are ignored with a warning, as vLLM does."""
 from __future__ import annotations
 
+import json
 import logging
 import math
 from typing import Any, ClassVar, Literal
@@ -223,7 +224,32 @@ class ChatMessage(_Body):
         msg = {**(self.model_extra or {}), "role": self.role, "content": content or ""}
         if self.name is not None:
             msg["name"] = self.name
+        if isinstance(msg.get("tool_calls"), list):  # templates read the arguments as a mapping (vLLM's reading)
+            msg["tool_calls"] = [_template_tool_call(call) for call in msg["tool_calls"]]
         return msg
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    fn = dict(call["function"])
+    if isinstance(fn.get("arguments"), str):
+        try:
+            fn["arguments"] = json.loads(fn["arguments"])
+        except json.JSONDecodeError:
+            pass  # left as the string the client sent
+    return {**call, "function": fn}
+
+
+def _check_tool_calls(i: int, calls: Any) -> None:
+    """An assistant message's tool_calls: OpenAI's shape, each {id, type "function", function {name, arguments}}."""
+    if not isinstance(calls, list):
+        raise BadRequest(f"messages.{i}.tool_calls must be a list", f"messages.{i}.tool_calls")
+    for j, call in enumerate(calls):
+        where = f"messages.{i}.tool_calls.{j}"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
+                not isinstance(fn.get("arguments", ""), (str, dict)):
+            raise BadRequest(f"{where} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                             f"\"arguments\"}}}} with a string name and arguments", f"{where}.function")
 
 
 def check_messages(messages: list[ChatMessage]) -> None:
@@ -232,6 +258,12 @@ def check_messages(messages: list[ChatMessage]) -> None:
     for i, m in enumerate(messages):
         if m.content is None and m.role != "assistant":
             raise BadRequest(f"messages.{i}.content is required for a {m.role} message", f"messages.{i}.content")
+        calls = (m.model_extra or {}).get("tool_calls")
+        if calls is not None:
+            if m.role != "assistant":
+                raise BadRequest(f"messages.{i}.tool_calls: only an assistant message calls tools",
+                                 f"messages.{i}.tool_calls")
+            _check_tool_calls(i, calls)
 
 
 class ChatCompletionRequest(_SamplingFields, _ChatRuleFields, StructuredFields):
@@ -246,7 +278,13 @@ class ChatCompletionRequest(_SamplingFields, _ChatRuleFields, StructuredFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    """OpenAI's function tools (entrypoints/openai/tools.py checks them)."""
     tool_choice: Any = None
+    """"auto" (the default with tools), "none", "required" or {"type": "function", "function": {"name"}}."""
+    parallel_tool_calls: bool | None = None
+    """false: at most one call (the first; `required` is constrained to one)."""
+    include_reasoning: bool | None = None
+    """vLLM's: false leaves reasoning_content out (needs --reasoning_parser)."""
 
     def check(self) -> None:
         self.check_common()

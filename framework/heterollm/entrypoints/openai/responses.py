@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from heterollm.engine.async_engine import RequestStream
 from heterollm.engine.outputs import RequestOutput
 from heterollm.interfaces import TokenLogprobs
+
+if TYPE_CHECKING:
+    from heterollm.entrypoints.openai.tools import RequestParsing
 
 
 class ResponseBuilder:
@@ -17,8 +20,10 @@ class ResponseBuilder:
 
     def __init__(self, server: Any, request_id: str, obj: str, body: Any,
                  prompts: list[tuple[str | None, list[int]]], streams: list[RequestStream],
-                 logprobs: int | None) -> None:
+                 logprobs: int | None, parsing: RequestParsing | None = None) -> None:
         self.server, self.id, self.object, self.body = server, request_id, obj, body
+        self.parsing = parsing
+        """Chat: how each choice splits into reasoning_content, content and tool_calls (None: all content)."""
         self.prompts, self.streams, self.logprobs = prompts, streams, logprobs
         self.created = int(time.time())
         self.model = server.model_name
@@ -125,9 +130,12 @@ class ResponseBuilder:
         prefix = self._echo_prefix()
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
-            choices.append({"index": c.index, "message": {"role": "assistant", "content": prefix + c.text},
+            message, finish_reason = self._message(c.text, c.finish_reason)
+            if prefix:
+                message["content"] = prefix + (message["content"] or "")
+            choices.append({"index": c.index, "message": message,
                             "logprobs": self._chat_logprobs(c.logprobs or []) if self.logprobs is not None else None,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                            "finish_reason": finish_reason, "stop_reason": c.stop_reason,
                             **({"token_ids": list(c.token_ids)} if self.token_ids else {})})
         response = {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                     "choices": choices,
@@ -136,6 +144,39 @@ class ResponseBuilder:
             response["prompt_token_ids"] = list(out.prompt_token_ids)
         response["prompt_logprobs"] = self._vllm_prompt_logprobs(out)
         return response
+
+    def _message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """A whole chat choice's message and finish_reason ("tool_calls" when it called tools and stopped)."""
+        if self.parsing is None:
+            return {"role": "assistant", "content": text}, finish_reason
+        parsed = self.parsing.choice().result(text)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}  # null when only whitespace
+        if parsed.reasoning is not None and self.parsing.include_reasoning:
+            message["reasoning_content"] = parsed.reasoning
+        if parsed.calls:
+            message["tool_calls"] = [call.as_openai() for call in parsed.calls]
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return message, finish_reason
+
+    def _chat_deltas(self, parser: Any, c: Any, num_calls: int) -> list[dict[str, Any]]:
+        """One step's deltas of a streamed chat choice: reasoning and content together, then per new tool
+        call its index, id, type and name (arguments ""), then its arguments, as OpenAI's client
+        accumulates them."""
+        if parser is None:
+            return [{"content": c.delta_text}] if c.delta_text else []
+        delta = parser.update(c.text, c.finish_reason is not None)
+        text = {}
+        if delta.reasoning and self.parsing.include_reasoning:
+            text["reasoning_content"] = delta.reasoning
+        if delta.content:
+            text["content"] = delta.content
+        deltas = [text] if text else []
+        for k, call in enumerate(delta.calls, start=num_calls):
+            head = call.as_openai()
+            head["function"]["arguments"] = ""
+            deltas.append({"tool_calls": [{"index": k, **head}]})
+            deltas.append({"tool_calls": [{"index": k, "function": {"arguments": call.arguments}}]})
+        return deltas
 
     def _echo_prefix(self) -> str:
         """vLLM's chat echo: the content of a final assistant message the answer continues."""
@@ -244,12 +285,16 @@ class ResponseBuilder:
         cached = 0
         for index in range(self.n):
             first = {"role": "assistant", "content": self._echo_prefix()}
+            if self.parsing is not None and not first["content"]:  # content may never come (tool calls only)
+                del first["content"]
             chunk = self._chunk("chat.completion.chunk", [{"index": index, "delta": first, "logprobs": None,
                                                            "finish_reason": None}],
                                 self._usage(prompt_tokens, 0) if continuous else None)
             if self.token_ids and index == 0:  # vLLM's: the prompt's ids in the first chunk
                 chunk["prompt_token_ids"] = list(self.prompts[0][1])
             yield chunk
+        parsers = {index: self.parsing.choice() if self.parsing else None for index in range(self.n)}
+        num_calls: dict[int, int] = {}
         try:
             async for _, out in self._merged():
                 cached = out.metrics.num_cached_tokens
@@ -258,15 +303,23 @@ class ResponseBuilder:
                     lps = list((c.logprobs or [])[done:len(c.token_ids)]) if self.logprobs is not None else []
                     generated[c.index] = len(c.token_ids)
                     new_ids = self.token_ids and len(c.token_ids) > done
-                    if not c.delta_text and not c.finish_reason and not lps and not new_ids:
+                    deltas = self._chat_deltas(parsers[c.index], c, num_calls.get(c.index, 0))
+                    num_calls[c.index] = num_calls.get(c.index, 0) + sum(1 for d in deltas if "id" in
+                                                                          (d.get("tool_calls") or [{}])[0])
+                    if not deltas and not c.finish_reason and not lps and not new_ids:
                         continue
-                    choice = {"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
-                              "logprobs": self._chat_logprobs(lps) if self.logprobs is not None else None,
-                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                    if self.token_ids:
-                        choice["token_ids"] = list(c.token_ids[done:])
+                    finish = c.finish_reason
+                    if finish == "stop" and num_calls[c.index]:
+                        finish = "tool_calls"
                     usage = self._usage(prompt_tokens, sum(generated.values()), cached) if continuous else None
-                    yield self._chunk("chat.completion.chunk", [choice], usage)
+                    for k, delta in enumerate(deltas or [{}]):
+                        last = k == max(len(deltas), 1) - 1
+                        choice = {"index": c.index, "delta": delta,
+                                  "logprobs": self._chat_logprobs(lps) if self.logprobs is not None and k == 0 else None,
+                                  "finish_reason": finish if last else None, "stop_reason": c.stop_reason if last else None}
+                        if self.token_ids and k == 0:
+                            choice["token_ids"] = list(c.token_ids[done:])
+                        yield self._chunk("chat.completion.chunk", [choice], usage)
         finally:
             for s in self.streams:
                 s.close()

@@ -41,6 +41,7 @@ from heterollm.entrypoints.openai.protocol import (
     parse_body)
 from heterollm.entrypoints.openai.responses import ResponseBuilder
 from heterollm.entrypoints.openai.structured import StructuredRequestError
+from heterollm.entrypoints.openai.tools import chat_parsers
 from heterollm.sampling import SamplingParams
 
 logger = logging.getLogger("heterollm.server")
@@ -128,6 +129,8 @@ class OpenAIServer:
         self.in_flight = 0
         self.created = int(time.time())
         self.defaults = dict(self.engine.source.generation_defaults)
+        self.parsers = chat_parsers(self.engine)
+        """--tool_call_parser / --reasoning_parser (a ConfigError naming the flag when one cannot be served)."""
         self.app = self._build_app()
 
     # -- app -------------------------------------------------------------------------------
@@ -399,8 +402,10 @@ class OpenAIServer:
         body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await request.body())
         body.check()
         self._check_model(body.model)
+        plan, functions, forced = self.parsers.plan(body)
+        template_kwargs = {**(body.chat_template_kwargs or {}), **({"tools": body.tools} if functions else {})}
         ids = self._chat_ids(body.messages, body.add_generation_prompt, body.continue_final_message,
-                             body.chat_template, body.chat_template_kwargs,
+                             body.chat_template, template_kwargs,
                              {"reasoning_effort": body.reasoning_effort, "documents": body.documents},
                              body.add_special_tokens)
         _, ids = self._truncated(None, ids, body.truncate_prompt_tokens)
@@ -412,9 +417,10 @@ class OpenAIServer:
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(self.defaults, max_tokens, top, body.requested_prompt_logprobs(), "top_logprobs")
         params.structured_outputs = body.structured_spec()
+        self.parsers.prepare(plan, forced, params, body, ids, self.engine.tokenizer)
         request_id = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
         streams = await self._admit([(None, ids)], params, request_id, body)
-        ctx = ResponseBuilder(self, request_id, "chat.completion", body, [(None, ids)], streams, top)
+        ctx = ResponseBuilder(self, request_id, "chat.completion", body, [(None, ids)], streams, top, plan)
         if body.stream:
             return self._sse(ctx.stream_chat(), streams)
         outs = await self._collect(request, streams)
