@@ -44,7 +44,7 @@ class FastDeployConfig(FlagGroup):
     enable_expert_parallel: bool = flag(False, "是否启用专家并行。")
     enable_logprob: bool = flag(False, "是否启用输出 token 返回 logprob。heterollm 总是允许请求 logprobs,此开关只为兼容 FastDeploy 的启动命令。")
     served_model_name: Optional[str] = flag(None, "API 中使用的模型名称,未指定时与 --model 相同。")
-    revision: Optional[str] = flag(None, "自动下载模型时使用的 Git 版本 (heterollm 不从 hub 下载)。")
+    revision: Optional[str] = flag(None, "--model 为 Hugging Face 模型名称时使用的 Git 版本 (分支、tag 或 commit),经 huggingface_hub 缓存解析。")
     chat_template: Optional[str] = flag(None, "chat 模板,字符串或文件路径;未指定时使用模型自带模板。")
     tool_parser_plugin: Optional[str] = flag(None, "要注册的 tool parser 文件路径。")
     load_choices: choice("default", "default_v1") = flag("default", "权重加载器: default 或 default_v1。")

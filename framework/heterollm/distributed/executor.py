@@ -147,7 +147,7 @@ def run_node_workers(config: Any) -> int:
     from heterollm.model_executor.runner import model_max_len
 
     launch_selection(config)  # the same checks node 0 runs, before anything starts
-    max_len = model_max_len(config, resolve_model(config.model.model).hf_config)
+    max_len = model_max_len(config, resolve_model(config.model.model, config.fastdeploy.revision).hf_config)
     address = init_method(config)
     procs = spawn_workers(config, max_len, address)
     ranks = local_ranks(config)

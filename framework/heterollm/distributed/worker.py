@@ -101,7 +101,7 @@ def _build(config: Any, rank: int, world_size: int, address: str, max_model_len:
     from heterollm.model_executor.loader import resolve_model
     from heterollm.model_executor.runner import LaunchContext
 
-    source = resolve_model(config.model.model)
+    source = resolve_model(config.model.model, config.fastdeploy.revision)
     selection = launch_selection(config, lambda: source.architectures)
     selection.platform.configure_threads(local_ranks)  # the node's ranks share its host cores
     _bind(selection.platform, config, rank)

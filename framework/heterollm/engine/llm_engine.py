@@ -130,7 +130,7 @@ class LLMEngine:
             self._reservation = None
 
     def _resolve_model(self) -> ModelSource:
-        self.source = resolve_model(self.config.model.model)
+        self.source = resolve_model(self.config.model.model, self.config.fastdeploy.revision)
         return self.source
 
     def _start(self, config: HeterollmConfig, max_len: int, dp_rank: int) -> None:

@@ -1,5 +1,6 @@
-"""Find a model's files and read its weights: Hugging Face folders (config.json + safetensors)
-and GGUF files (dequantized through the `gguf` package). Every failure names the path."""
+"""Find a model's files and read its weights: Hugging Face folders (config.json + safetensors),
+Hugging Face ids through the hub cache, and GGUF files (dequantized through the `gguf` package).
+Every failure names the path."""
 from __future__ import annotations
 
 import importlib.util
@@ -14,7 +15,7 @@ import numpy as np
 import torch
 
 from heterollm.config import ConfigError
-from heterollm.model_executor import gguf_cache
+from heterollm.model_executor import gguf_cache, hub
 
 logger = logging.getLogger("heterollm.loader")
 
@@ -53,11 +54,18 @@ def default_model_path() -> Path:
     return path
 
 
-def resolve_model(model: str) -> ModelSource:
+def resolve_model(model: str, revision: str | None = None) -> ModelSource:
+    """`model`: a local folder or .gguf file, `smollm2`, or a Hugging Face id (`org/name`) found
+    through huggingface_hub's cache at `revision` (heterollm.model_executor.hub)."""
     path = default_model_path() if model.lower() in ALIASES else Path(model).expanduser()
-    if not path.exists():
+    if path.exists() and revision:
+        raise ConfigError(f"--revision={revision}: {path} is a local path; --revision picks a version of a "
+                          f"Hugging Face id (--model org/name)")
+    if not path.exists() and hub.is_repo_id(model):
+        path = hub.locate(model, revision)
+    elif not path.exists():
         raise ConfigError(f"--model: {model!r} does not exist (give a model folder with config.json, a .gguf "
-                          f"file, or `smollm2`; nothing is downloaded from a hub)")
+                          f"file, a Hugging Face id org/name, or `smollm2`)")
     gguf_file = None
     if path.is_file():
         if path.suffix != ".gguf":
