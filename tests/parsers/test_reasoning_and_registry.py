@@ -163,3 +163,18 @@ def test_a_taken_name_is_refused_with_both_origins():
     pm.register(Dup())
     with pytest.raises(ConfigError, match="dup-plugin 1.0 registers 'hermes', which heterollm already names"):
         build_registry(pm)
+
+
+def test_the_example_parser_plugin_in_plugins():
+    """plugins/example_tool_parser, loaded as --tool_parser_plugin loads a file."""
+    root = Path(__file__).resolve().parents[2]
+    plugin = root / "plugins/example_tool_parser/heterollm_example_tool_parser/__init__.py"
+    registry = build_registry(make_plugin_manager(), str(plugin))
+    parser = registry.tool_parser("llama3_function_tag", "", "")
+    assert registry.tool[parser.name][1] == "heterollm-example-tool-parser"
+    text = 'On it. <function=get_weather>{"city": "Paris", "days": 3}</function>'
+    p = ChoiceParser(tools_parser=parser, tools=TOOLS)
+    parsed = p.result(text)
+    assert parsed.content == "On it. " and [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [PARIS]
+    streamed = pieces_result(ChoiceParser(tools_parser=parser, tools=TOOLS), list(text))
+    assert streamed == (None, "On it. ", [PARIS])
