@@ -114,3 +114,18 @@ def test_structured_output_across_ranks(tmp_path):
             llm.shutdown()
     assert texts[0] == texts[1]
     assert all(re.fullmatch("[a-d]{3}-[0-9]{2}", t) for t in texts[0])
+
+
+def test_weights_reload_on_every_rank(tmp_path):
+    """--dynamic_load_weight with tp_size=2: each rank loads its shard of the new weights, and the
+    greedy tokens become transformers' on them."""
+    from helpers import hf_greedy
+    a, b = build_tiny_model(tmp_path / "a", "llama", seed=0), build_tiny_model(tmp_path / "b", "llama", seed=1)
+    llm = LLM(str(a), **FLAGS, tp_size=2, dynamic_load_weight=1)
+    try:
+        greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        assert llm.generate([PROMPTS[1]], greedy)[0].outputs[0].token_ids == hf_greedy(a, [PROMPTS[1]], 8)[0]
+        llm.update_weights(path=str(b))
+        assert llm.generate([PROMPTS[1]], greedy)[0].outputs[0].token_ids == hf_greedy(b, [PROMPTS[1]], 8)[0]
+    finally:
+        llm.shutdown()

@@ -64,6 +64,17 @@ class OneDnnLinear(LinearMethod):
             return weight  # fp16 and builds without oneDNN keep F.linear
         return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_HINT[weight.dtype]))
 
+    def reload(self, state: Any, weight: torch.Tensor) -> Any:
+        """In place: a compiled step reaches the pack by its key, an eager one by the state object."""
+        fresh = self.prepare(weight)
+        if isinstance(state, PackedWeight) and isinstance(fresh, PackedWeight):
+            state.packed = fresh.packed
+            return state
+        if isinstance(state, torch.Tensor) and isinstance(fresh, torch.Tensor) and state.shape == fresh.shape:
+            state.copy_(fresh)
+            return state
+        return fresh
+
     def apply(self, state: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not isinstance(state, PackedWeight):
             return F.linear(x, state, bias)

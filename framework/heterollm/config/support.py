@@ -53,7 +53,7 @@ def _planned(names: str, reason: str, ok: tuple[Any, ...] = ()) -> None:
 
 
 _planned("backend", "vlm and dit backends; --backend=llm is accepted", ok=("llm",))
-_planned("load_choices dynamic_load_weight use_warmup",
+_planned("load_choices use_warmup",
          "quantized execution / weight reloading (weights are dequantized on load)")
 _planned("kv_cache_ratio static_decode_blocks max_num_partial_prefills max_long_partial_prefills "
          "long_prefill_token_threshold prefill_scheduling_memory_usage_threshold", "scheduler policies issue")

@@ -119,6 +119,10 @@ class MultiprocExecutor(Executor):
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         return self._call("execute", scheduler_output)
 
+    def update_weights(self, update: Any) -> int:
+        """Every rank loads its shard of the new weights (a rank that fails leaves the job)."""
+        return self._call("update_weights", update)
+
     def shutdown(self) -> None:
         if self._closed:
             return

@@ -14,6 +14,7 @@ from heterollm.engine.beam_search import (BeamSearch, BeamSearchOutput, BeamSear
 from heterollm.engine.llm_engine import LLMEngine
 from heterollm.engine.outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
 from heterollm.interfaces import TokenLogprobs
+from heterollm.model_executor.weight_update import WeightUpdate
 from heterollm.pooling import PoolingParams
 from heterollm.pooling.scoring import cosine, pair_ids, pair_up
 from heterollm.sampling import SamplingParams
@@ -164,6 +165,12 @@ class LLM:
                   for sp in params if sp.structured_outputs is not None]
         for state in states:
             state.result()
+
+    def update_weights(self, path: str | None = None, payload: bytes | None = None) -> dict[str, float]:
+        """Replace the weights (needs dynamic_load_weight=1): from `path` (a folder of *.safetensors or
+        one file) or `payload` (a safetensors file's bytes, possibly only the parameters that changed).
+        All or nothing; the prefix cache is emptied. Returns {"tensors", "seconds"}."""
+        return self.engine.update_weights(WeightUpdate(path=path, payload=payload))
 
     def shutdown(self) -> None:
         self.engine.shutdown()

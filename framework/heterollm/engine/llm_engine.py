@@ -26,6 +26,7 @@ from heterollm.kv_cache import KVCacheManager
 from heterollm.kv_cache.events import make_kv_event_publisher
 from heterollm.model_executor.loader import ModelSource, resolve_model
 from heterollm.model_executor.runner import LaunchContext, model_max_len, resolve_dtype
+from heterollm.model_executor.weight_update import WeightUpdate, WeightUpdateError
 from heterollm.plugins import make_plugin_manager
 from heterollm.plugins.launch import launch_selection
 from heterollm.pooling import PoolingParams
@@ -332,6 +333,27 @@ class LLMEngine:
     def is_unfinished(self, request_id: str) -> bool:
         """Whether `request_id` was admitted and has not finished or been aborted."""
         return request_id in self._parents
+
+    def update_weights(self, update: WeightUpdate) -> dict[str, float]:
+        """Replace the model's weights between steps (--dynamic_load_weight): a step in flight finishes
+        on the old ones; running requests keep their KV cache and go on with the new weights; the
+        prefix cache is emptied (its blocks were computed with the old ones)."""
+        if not self.config.fastdeploy.dynamic_load_weight:
+            raise RequestRejected("dynamic_load_weight", "reloading weights needs --dynamic_load_weight 1")
+        if self._in_flight is not None:
+            self._in_flight[1].result()  # the step ends first; its outputs are still processed as usual
+        started = time.perf_counter()
+        try:
+            count = self.executor.update_weights(update)
+        except NotImplementedError as exc:
+            raise RequestRejected("dynamic_load_weight", str(exc)) from None
+        except WeightUpdateError as exc:
+            raise RequestRejected(exc.field, str(exc)) from None
+        if self.kv.enable_prefix_cache:
+            self.kv.reset_prefix_cache()
+        seconds = time.perf_counter() - started
+        logger.info("reloaded %d weight tensors in %.2fs; the prefix cache was emptied", count, seconds)
+        return {"tensors": count, "seconds": seconds}
 
     def check_health(self) -> None:
         """Raise ExecutorDead when the executor's workers are gone (executors that have workers)."""

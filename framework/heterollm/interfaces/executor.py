@@ -10,6 +10,7 @@ from heterollm.interfaces.component import Component
 if TYPE_CHECKING:
     from heterollm.interfaces.batch import RunnerOutput, SchedulerOutput
     from heterollm.model_executor.runner import LaunchContext
+    from heterollm.model_executor.weight_update import WeightUpdate
 
 
 class ExecutorDead(RuntimeError):
@@ -70,6 +71,12 @@ class Executor(Component):
     @abstractmethod
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         """Run one forward step and sample; returns tokens for requests whose `sample` is True."""
+
+    def update_weights(self, update: WeightUpdate) -> int:
+        """Replace the model's parameters named by `update` on every worker, between steps, all or
+        nothing (`--dynamic_load_weight`); returns the number of tensors read. An optional
+        capability: the default refuses, and the core's executors implement it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot reload weights while running")
 
     @abstractmethod
     def shutdown(self) -> None:

@@ -245,7 +245,9 @@ class KVCacheManager:
         return events
 
     def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (and the matches not yet taken, which point at them)."""
         self.pool.clear_cache()
+        self._hits.clear()
         for request_id in self._committed:
             self._committed[request_id] = len(self.tables.get(request_id, ()))
 

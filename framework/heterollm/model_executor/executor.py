@@ -4,6 +4,7 @@ from __future__ import annotations
 from heterollm.interfaces import Executor, RunnerOutput, SchedulerOutput
 from heterollm.interfaces.executor import RankMemory
 from heterollm.model_executor.runner import LaunchContext, ModelRunner
+from heterollm.model_executor.weight_update import WeightUpdate
 
 
 class InProcessExecutor(Executor):
@@ -41,6 +42,9 @@ class InProcessExecutor(Executor):
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute(scheduler_output)
+
+    def update_weights(self, update: WeightUpdate) -> int:
+        return self.runner.update_weights(update)
 
     def shutdown(self) -> None:
         if self.runner is not None:

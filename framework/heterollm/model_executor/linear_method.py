@@ -34,6 +34,12 @@ class LinearMethod(ABC):
     def apply(self, state: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x (M, K) -> (M, N) in x's dtype."""
 
+    def reload(self, state: Any, weight: torch.Tensor) -> Any:
+        """New weights for a prepared layer (`--dynamic_load_weight`); returns the state `apply` uses
+        from now on. The default prepares afresh; a method whose state a captured graph holds by
+        reference refreshes that state in place and returns it."""
+        return self.prepare(weight)
+
 
 class LinearBase(nn.Module):
     """What the layer API's linear layers share: a weight (N, K) and, after `prepare_linears`,
@@ -81,6 +87,39 @@ def prepare_linears(model: nn.Module, method: LinearMethod | None) -> int:
         if users.get(id(layer.weight), 0) <= 1:
             layer.weight.data = torch.empty(0, dtype=layer.weight.dtype, device=layer.weight.device)
     return len(layers)
+
+
+def unpack_for_reload(model: nn.Module, dry: nn.Module, touched: set[str], complete: set[str]) -> list[LinearBase]:
+    """Before new weights are loaded (`--dynamic_load_weight`): each prepared linear layer they write
+    gets a full-size weight again to receive them (`dry`: the same model on the meta device gives the
+    shapes). A prepared weight is packed, so the new weights must give all of it (every part of a
+    merged q/k/v or gate/up); else WeightUpdateError, before anything changed."""
+    from heterollm.model_executor.weight_update import WeightUpdateError
+
+    shapes = {name: p.shape for name, p in dry.named_parameters(remove_duplicate=False)}
+    layers = [(f"{name}.weight", m) for name, m in model.named_modules()
+              if isinstance(m, LinearBase) and m.method is not None and f"{name}.weight" in touched]
+    partial = [name for name, _ in layers if name not in complete]
+    if partial:
+        raise WeightUpdateError("path", f"the new weights give only part of {partial[0]} (e.g. q_proj without "
+                                        f"k_proj and v_proj); its layer is prepacked, so send every part of it")
+    for name, layer in layers:
+        if layer.weight.numel() == 0:
+            layer.weight.data = torch.empty(shapes[name], dtype=layer.weight.dtype, device=layer.weight.device)
+    return [layer for _, layer in layers]
+
+
+def repack_after_reload(model: nn.Module, layers: list[LinearBase]) -> None:
+    """After new weights are loaded: each layer's method takes its new weight (`LinearMethod.reload`),
+    and the layer's copy is released again unless another module shares it."""
+    users: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            users[id(p)] = users.get(id(p), 0) + 1
+    for layer in layers:
+        layer.state = layer.method.reload(layer.state, layer.weight.data)
+        if users.get(id(layer.weight), 0) <= 1:
+            layer.weight.data = torch.empty(0, dtype=layer.weight.dtype, device=layer.weight.device)
 
 
 def state_bytes(state: Any) -> int:

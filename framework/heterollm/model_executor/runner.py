@@ -16,10 +16,12 @@ from heterollm.interfaces import (AttentionInputs, Communicator, ForwardContext,
                                   SchedulerOutput, StepInputs, TokenLogprobs)
 from heterollm.interfaces.executor import RankMemory
 from heterollm.model_executor import ops
-from heterollm.model_executor.linear_method import model_bytes, prepare_linears, select_linear_method
+from heterollm.model_executor.linear_method import (model_bytes, prepare_linears, repack_after_reload,
+                                                     select_linear_method, unpack_for_reload)
 from heterollm.model_executor.loader import ModelSource, iter_weights
 from heterollm.model_executor.parallel import ParallelContext
 from heterollm.model_executor.registry import get_model_class
+from heterollm.model_executor.weight_update import WeightUpdate, WeightUpdateError
 from heterollm.pooling.pooler import Pooler
 from heterollm.sampling.sampler import Sampler, SamplingRow, gather_logprobs
 
@@ -96,6 +98,41 @@ class LaunchContext:
     world_size: int = 1
     communicator: Communicator | None = None
     """The rank's communicator (None for a single rank: its collectives are no-ops)."""
+
+
+def _load_checked(model: Any, tensors: list, arch: str) -> tuple[set[str], set[str]]:
+    """Load `tensors` into `model`; returns (parameters written at all, parameters written whole).
+    A name the model lacks or a shape that does not fit is a WeightUpdateError."""
+    touched: set[str] = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        loader = getattr(param, "weight_loader", None)
+        if loader is not None:
+            param.weight_loader = _Recording(loader, touched, name)
+    try:
+        complete = model.load_weights(iter(tensors))
+    except KeyError as exc:
+        raise WeightUpdateError("path", f"the new weights hold tensor {exc.args[0]!r}, which the {arch} "
+                                        "architecture does not have") from None
+    except ValueError as exc:
+        raise WeightUpdateError("path", f"the new weights do not fit the model: {exc}") from None
+    finally:
+        for _, param in model.named_parameters(remove_duplicate=False):
+            if isinstance(getattr(param, "weight_loader", None), _Recording):
+                param.weight_loader = param.weight_loader.inner
+    return touched, complete
+
+
+@dataclass
+class _Recording:
+    """A parameter's weight_loader that notes the parameter's name when it is written."""
+
+    inner: Any
+    touched: set[str]
+    name: str
+
+    def __call__(self, param: Any, *args: Any) -> None:
+        self.touched.add(self.name)
+        self.inner(param, *args)
 
 
 def _bitmask_rows(bitmask: torch.Tensor | None, reqs: list[ScheduledRequest]) -> torch.Tensor | None:
@@ -332,6 +369,24 @@ class ModelRunner:
         targets = torch.tensor(prompt[start + 1:last + 1], device=logprobs.device)
         k = r.sampling.params.prompt_logprobs or 0
         return list(gather_logprobs(logprobs, targets, [k] * len(targets)))
+
+    @torch.inference_mode()
+    def update_weights(self, update: WeightUpdate) -> int:
+        """Replace the parameters `update` names, in place, between steps (captured graphs hold the
+        same storage, so they see the new values). All or nothing: the tensors are first loaded into a
+        copy of the model on the meta device, so a name or shape that does not fit changes nothing.
+        Returns how many tensors were read."""
+        if self.config.fastdeploy.quantization:
+            raise WeightUpdateError("--quantization", f"weights cannot be reloaded into a model quantized on load "
+                                    f"(--quantization={self.config.fastdeploy.quantization})")
+        tensors = list(update.tensors())
+        with torch.device("meta"):
+            dry = type(self.model)(self.source.hf_config, self.pctx, self.launch.max_model_len)
+        touched, complete = _load_checked(dry, tensors, type(self.model).__name__)
+        prepared = unpack_for_reload(self.model, dry, touched, complete)
+        _load_checked(self.model, tensors, type(self.model).__name__)
+        repack_after_reload(self.model, prepared)
+        return len(tensors)
 
     def shutdown(self) -> None:
         self.kv_caches = []

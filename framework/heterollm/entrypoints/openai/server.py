@@ -41,6 +41,7 @@ from heterollm.entrypoints.openai.protocol import (
     parse_body)
 from heterollm.entrypoints.openai.responses import ResponseBuilder
 from heterollm.entrypoints.openai.structured import StructuredRequestError
+from heterollm.entrypoints.openai.weights import WeightRoutes
 from heterollm.entrypoints.openai.tools import chat_parsers
 from heterollm.sampling import SamplingParams
 
@@ -175,6 +176,7 @@ class OpenAIServer:
             app.add_api_route(path, handler, methods=["POST"], openapi_extra={"requestBody": {
                 "required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}})
         PoolingRoutes(self).register(app)
+        WeightRoutes(self).register(app)
         return app
 
     def _error(self, status: int, message: str, param: str | None = None) -> JSONResponse:
