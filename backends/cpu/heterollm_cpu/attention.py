@@ -8,7 +8,8 @@ onto their KV head as (KV, B, H/KV, D), so GQA needs no repeated K/V; padding pa
 masked with -inf and the softmax runs in fp32. (For these shapes, 3 query rows per KV head and a
 few hundred keys, torch's SDPA on CPU is 3-10x slower than two bmm calls.) Each prefill chunk
 attends over its cached context plus its own tokens through SDPA with a causal offset mask. The
-gather plans are built once per step in `build_metadata` and shared by every layer.
+gather plans are built once per step in `build_metadata` and shared by every layer. A layer's sliding
+window masks the keys before it (decode bias, prefill mask); the cache still holds them.
 """
 from __future__ import annotations
 
@@ -47,6 +48,15 @@ def _write_kv(kv_cache: torch.Tensor, fresh_blocks: torch.Tensor, slots: torch.T
 torch.library.custom_op("heterollm_cpu::write_kv", _write_kv, mutates_args=("kv_cache",))
 
 
+def _window_mask(num_queries: int, mask: torch.Tensor | None, window: int, device: torch.device) -> torch.Tensor:
+    """A prefill chunk's (q, seq_len) boolean mask, causal (`mask`, or a square one when the chunk has
+    no cached context) and limited to the last `window` keys of each query."""
+    total = num_queries if mask is None else mask.shape[1]
+    query_pos = torch.arange(total - num_queries, total, device=device).unsqueeze(1)
+    key_pos = torch.arange(total, device=device).unsqueeze(0)
+    return (key_pos <= query_pos) & (key_pos > query_pos - window)
+
+
 @dataclass
 class CpuAttentionMetadata(AttentionMetadata):
     """Adds the per-step gather plans every layer reuses: which cache slots each decode and each
@@ -61,6 +71,8 @@ class CpuAttentionMetadata(AttentionMetadata):
     """(B * nb,) block ids of the decodes, each table padded to the longest one's nb blocks."""
     decode_bias: torch.Tensor | None = None
     """(1, B, 1, nb * block_size) fp32: 0 for real keys, -inf for padding."""
+    decode_lens: torch.Tensor | None = None
+    """(B,) context length of each decode after this step (a sliding window ends at its last key)."""
     prefills: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]] = field(default_factory=list)
     """(start, end, block ids covering positions 0..seq_len, causal mask (q, seq_len)); both None
     when the chunk has no cached context and attends to its own K/V."""
@@ -69,7 +81,7 @@ class CpuAttentionMetadata(AttentionMetadata):
         """The dimensions that change from one decode-only step to the next (batch, context blocks):
         the CPU graph runner compiles them as symbols, everything else as constants."""
         return [(self.slot_mapping, 0), (self.fresh_blocks, 0), (self.decode_rows, 0), (self.decode_blocks, 0),
-                (self.decode_bias, 1), (self.decode_bias, 3)]
+                (self.decode_bias, 1), (self.decode_bias, 3), (self.decode_lens, 0)]
 
 
 class CpuPagedAttention(AttentionBackend):
@@ -78,6 +90,10 @@ class CpuPagedAttention(AttentionBackend):
     @classmethod
     def validate(cls, config) -> list[str]:
         return []
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (2, num_kv_heads, num_blocks, block_size, head_dim)
@@ -112,6 +128,7 @@ class CpuPagedAttention(AttentionBackend):
             meta.decode_rows = starts[rows].to(device)
             meta.decode_blocks = tables[rows, :nb].reshape(-1).to(device)
             meta.decode_bias = bias.to(device)
+            meta.decode_lens = lens.to(device)
         for i in (~is_decode & (q_lens > 0)).nonzero().squeeze(1).tolist():
             s, ctx, total = int(starts[i]), int(ctx_lens[i]), int(seq_lens[i])
             blocks = mask = None
@@ -122,19 +139,25 @@ class CpuPagedAttention(AttentionBackend):
         return meta
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: CpuAttentionMetadata, scale: float) -> torch.Tensor:
+                metadata: CpuAttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
         _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
         if torch.compiler.is_compiling():  # one opaque in-place op: a compiled step must not copy the cache
             torch.ops.heterollm_cpu.write_kv(kv_cache, metadata.fresh_blocks, metadata.slot_mapping, key, value)
         else:
             _write_kv(kv_cache, metadata.fresh_blocks, metadata.slot_mapping, key, value)
+        bias = metadata.decode_bias
+        if bias is not None and sliding_window is not None:  # keys before the window count as padding
+            early = torch.arange(bias.shape[-1], device=bias.device) < (metadata.decode_lens - sliding_window).unsqueeze(1)
+            bias = bias.masked_fill(early[None, :, None], float("-inf"))  # (B, L) -> (1, B, 1, L)
         if metadata.decode_only:  # no scatter back
-            return self._decode(query, kv_cache, metadata.decode_blocks, metadata.decode_bias, scale)
+            return self._decode(query, kv_cache, metadata.decode_blocks, bias, scale)
         out = torch.empty_like(query)
         if metadata.decode_rows is not None:
             rows = metadata.decode_rows
-            out[rows] = self._decode(query[rows], kv_cache, metadata.decode_blocks, metadata.decode_bias, scale)
+            out[rows] = self._decode(query[rows], kv_cache, metadata.decode_blocks, bias, scale)
         for s, e, blocks, mask in metadata.prefills:
+            if sliding_window is not None:
+                mask = _window_mask(e - s, mask, sliding_window, query.device)
             q = query[s:e].transpose(0, 1).unsqueeze(0)  # (1, H, q, D)
             if blocks is None:  # no cached context: the chunk's own K/V, plain causal
                 k, v = key[s:e].transpose(0, 1), value[s:e].transpose(0, 1)
@@ -143,7 +166,7 @@ class CpuPagedAttention(AttentionBackend):
                 k = kv_cache[0].index_select(1, blocks).view(num_kv_heads, -1, head_dim)[:, :total]
                 v = kv_cache[1].index_select(1, blocks).view(num_kv_heads, -1, head_dim)[:, :total]
             o = F.scaled_dot_product_attention(q, k.unsqueeze(0).to(q.dtype), v.unsqueeze(0).to(q.dtype),
-                                               attn_mask=mask, is_causal=blocks is None, scale=scale,
+                                               attn_mask=mask, is_causal=mask is None, scale=scale,
                                                enable_gqa=True)
             out[s:e] = o.squeeze(0).transpose(0, 1)
         return out

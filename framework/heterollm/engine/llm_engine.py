@@ -25,6 +25,7 @@ from heterollm.interfaces import RunnerOutput, SchedulerOutput
 from heterollm.kv_cache import KVCacheManager
 from heterollm.kv_cache.events import make_kv_event_publisher
 from heterollm.model_executor.loader import ModelSource, resolve_model
+from heterollm.model_executor.registry import check_model_support
 from heterollm.model_executor.runner import LaunchContext, model_max_len, resolve_dtype
 from heterollm.model_executor.weight_update import WeightUpdate, WeightUpdateError
 from heterollm.plugins import make_plugin_manager
@@ -74,6 +75,7 @@ class LLMEngine:
         self._reservation: tuple[str, Path] | None = None
         """(key, registry file) of this engine's entry in the host's memory registry, until shutdown."""
         self.selection = launch_selection(config, lambda: self._resolve_model().architectures)
+        check_model_support(self.selection, self.source.hf_config)
         self.plugins = make_plugin_manager()
         """The general plugins' request hooks (`heterollm.plugins`), built once per engine."""
         self.dtype = resolve_dtype(config.device.dtype, self.source.hf_config, self.selection.platform,

@@ -100,13 +100,22 @@ class AttentionBackend(Component):
     def build_metadata(self, inputs: AttentionInputs, device: torch.device) -> AttentionMetadata:
         """Tensors for this step's attention, on `device`."""
 
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        """Whether `forward` honours `sliding_window`. False (the default): a launch whose model has a
+        sliding-window layer (Mistral, Gemma 2/3, ...) is refused with that reason, so `forward` is
+        never asked for a window."""
+        return False
+
     @abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+                metadata: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
         """Causal paged attention.
 
         query: (num_tokens, num_heads, head_dim); key, value: (num_tokens, num_kv_heads, head_dim);
         kv_cache: this layer's tensor of `kv_cache_shape`. Returns (num_tokens, num_heads, head_dim).
+        `sliding_window` W (only where `supports_sliding_window()`): the query at position p attends
+        to keys at positions p - W + 1 .. p, as transformers' sliding-window mask; None: to all.
 
         Every sequence's new K/V must be in the cache before any sequence of the step reads it: a
         sequence's context may include blocks another sequence of the same step is computing (the

@@ -194,11 +194,28 @@ class RotaryEmbedding(nn.Module):
         return ops.get("rotary_embedding")(x, *rope)
 
 
+def sliding_window(hf_config: Any, layer_idx: int) -> int | None:
+    """The attention window of a layer, as transformers reads the config: `sliding_window` on every
+    layer (Mistral), or on the layers `layer_types` marks "sliding_attention" (Qwen2's
+    use_sliding_window, Gemma 2/3); None: full attention."""
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if not window or (layer_types is not None and layer_types[layer_idx] != "sliding_attention"):
+        return None
+    return int(window)
+
+
 class Attention(nn.Module):
-    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 window: int | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.window = window
+        """Sliding window in tokens (the launch checked that the attention backend honours it)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.metadata, self.scale)
+        if self.window is None:
+            return ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.metadata, self.scale)
+        return ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.metadata, self.scale,
+                                   sliding_window=self.window)

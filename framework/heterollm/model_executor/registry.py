@@ -4,7 +4,7 @@ descriptor `heterollm.model_executor.models:CORE_BACKEND`)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from heterollm.config import ConfigError
 
@@ -26,3 +26,20 @@ def get_model_class(selection: Selection, architectures: Sequence[str], where: s
         raise ConfigError(f"--model: {where} has architecture {list(architectures) or '(none)'}, which heterollm "
                           f"does not support (supported: {', '.join(supported_architectures())})")
     return selection.model.obj
+
+
+def check_model_support(selection: Selection, hf_config: Any) -> None:
+    """Raise a LaunchError when the selected components cannot run this checkpoint faithfully. A
+    model with sliding-window layers needs an attention backend that honours the window: ignoring
+    it would silently change every answer past the window."""
+    from heterollm.model_executor.layers import sliding_window
+    from heterollm.plugins.resolver import LaunchError
+
+    num_layers = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
+    windows = sorted({w for i in range(num_layers) if (w := sliding_window(hf_config, i)) is not None})
+    attention = selection.components["attention"]
+    if windows and not attention.obj.supports_sliding_window():
+        raise LaunchError([f"--model: the checkpoint attends over a sliding window of {windows[0]} tokens, which "
+                           f"attention {attention.name} ({attention.dist} {attention.version}) does not honour "
+                           f"(supports_sliding_window() is False); choose an attention family that does, e.g. "
+                           f"the CPU backend's"])

@@ -9,7 +9,8 @@ Checks (each names the component it exercises):
     range the core implements, and `validate` a default config without complaint;
   - attention: paged attention over mixed batches (prefill, chunked prefill over cached context,
     decode) on shuffled block tables of a NaN-filled cache, against a float64 dense reference, for
-    several block sizes; the metadata's declared fields (what graph runners read) match the step;
+    several block sizes, and with a sliding window where the backend supports one; the metadata's
+    declared fields (what graph runners read) match the step;
     a scratch block, if the layout has one, is no sequence's block;
   - dtypes: every dtype the platform says it supports (`supports_dtype`) runs that attention
     within the dtype's tolerance, and `--dtype auto` never picks one it does not support;
@@ -110,11 +111,13 @@ def test_registration_and_contract_range(target):
 H, KV, D = 6, 2, 8
 
 
-def dense_reference(q, k, v, ctx, scale):
-    """q (n, H, D) at positions ctx..ctx+n-1 over one sequence's k/v (ctx+n, KV, D), in float64."""
+def dense_reference(q, k, v, ctx, scale, window=None):
+    """q (n, H, D) at positions ctx..ctx+n-1 over one sequence's k/v (ctx+n, KV, D), in float64; with
+    `window`, each query sees only its last `window` keys (itself included)."""
     q, k, v = q.double(), k.double().repeat_interleave(H // KV, 1), v.double().repeat_interleave(H // KV, 1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    causal = torch.arange(k.shape[0])[None, :] <= torch.arange(ctx, ctx + q.shape[0])[:, None]
+    keys, queries = torch.arange(k.shape[0])[None, :], torch.arange(ctx, ctx + q.shape[0])[:, None]
+    causal = (keys <= queries) & (keys > queries - window) if window else keys <= queries
     return torch.einsum("hqk,khd->qhd", scores.masked_fill(~causal, float("-inf")).softmax(-1), v)
 
 
@@ -123,6 +126,15 @@ def test_paged_attention_matches_dense_reference(target, block_size):
     _, selection = target
     check_paged_attention(selection.component("attention")(), torch.device(selection.platform.device_type),
                           block_size)
+
+
+@pytest.mark.parametrize("window", [1, 6])
+def test_paged_attention_sliding_window_matches_dense_reference(target, window):
+    _, selection = target
+    backend = selection.component("attention")
+    if not backend.supports_sliding_window():
+        pytest.skip(f"{backend.__name__} does not honour a sliding window (a launch refuses such models)")
+    check_paged_attention(backend(), torch.device(selection.platform.device_type), 4, sliding_window=window)
 
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
@@ -158,7 +170,7 @@ def test_attention_scratch_block_is_no_sequences_block(target):
 
 
 def check_paged_attention(backend, device: torch.device, block_size: int, steps: int = 10,
-                          dtype: torch.dtype = torch.float32) -> None:
+                          dtype: torch.dtype = torch.float32, sliding_window: int | None = None) -> None:
     """Mixed steps (prefill, chunked prefill over cached context, decode; decode-only steps too) on
     shuffled block tables of a NaN-filled cache of `dtype`, each output against the dense reference."""
     from heterollm.interfaces import AttentionInputs
@@ -186,12 +198,13 @@ def check_paged_attention(backend, device: torch.device, block_size: int, steps:
         check_metadata(meta, inputs)
         total = sum(q_lens)
         q, k, v = (torch.randn(total, h, D, generator=gen).to(dtype) for h in (H, KV, KV))
-        out = backend.forward(q.to(device), k.to(device), v.to(device), cache, meta, scale).cpu()
+        window = {} if sliding_window is None else {"sliding_window": sliding_window}
+        out = backend.forward(q.to(device), k.to(device), v.to(device), cache, meta, scale, **window).cpu()
         assert out.shape == (total, H, D) and out.dtype == dtype
         start = 0
         for s, n, ctx in zip(seqs, q_lens, ctx_lens):
             s["k"], s["v"] = torch.cat([s["k"], k[start:start + n]]), torch.cat([s["v"], v[start:start + n]])
-            want = dense_reference(q[start:start + n], s["k"], s["v"], ctx, scale).float()
+            want = dense_reference(q[start:start + n], s["k"], s["v"], ctx, scale, sliding_window).float()
             tol = TOLERANCE[dtype]
             torch.testing.assert_close(out[start:start + n].float(), want, atol=tol, rtol=tol)
             start += n

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3.x, SmolLM2, Mistral-style configs), with the switches Qwen2
-(q/k/v bias) and Qwen3 (per-head q/k RMSNorm) need. Written once against the layer API."""
+"""Llama-family decoder (Llama 2/3.x, SmolLM2, Mistral with its sliding window), with the switches
+Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm) need. Written once against the layer API."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -10,7 +10,8 @@ from torch import nn
 
 from heterollm.model_executor import ops
 from heterollm.model_executor.layers import (Attention, ForwardContext, MergedColumnParallelLinear, ParallelLMHead,
-                                             RMSNorm, RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
+                                             RMSNorm, RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding,
+                                             sliding_window)
 from heterollm.model_executor.parallel import ParallelContext
 
 
@@ -31,7 +32,8 @@ class DecoderAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
-        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
+                              sliding_window(cfg, layer_idx))
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         n = x.shape[0]
