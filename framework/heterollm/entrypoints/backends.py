@@ -1,5 +1,5 @@
 """`heterollm backends`: every discovered backend, platform, component and model implementation, its
-origin, and whether it is usable here."""
+origin, and whether it is usable here; `heterollm models`: the model architectures alone."""
 from __future__ import annotations
 
 from heterollm.plugins import COMPONENT_GROUPS, Entry, Registry, get_registry
@@ -37,6 +37,27 @@ def _print_backends(registry: Registry) -> None:
         shown = ", ".join(flags[:6]) + (f" and {len(flags) - 6} more" if len(flags) > 6 else "")
         print(f"  {b.name:<10} {b.origin:<36} {b.target} (contract {b.backend.api_version})"
               + (f"\n  {'':<10} flags: {shown}" if flags else ""))
+
+
+def _usable_platforms(registry: Registry) -> set[str]:
+    return {e.name for e in registry.all("platforms") if _platform_status(e).startswith("usable")}
+
+
+def print_models() -> int:
+    """`heterollm models`: every registered architecture, one row per implementation: its family,
+    origin distribution and class, and where it runs (the core's run on every platform)."""
+    registry = get_registry()
+    usable = _usable_platforms(registry)
+    print("architectures (the --extension_impl family's implementation is used first, then the platform's, "
+          "then core's):")
+    print(f"  {'architecture':<36} {'family':<10} {'origin':<32} implementation")
+    for arch in registry.names("models"):
+        for e in (e for e in registry.all("models") if e.name == arch):
+            where = "" if e.family == "core" and not e.error else f"\n  {'':<36} {_runs_on(e, usable)}"
+            print(f"  {arch:<36} {e.family:<10} {e.origin:<32} {e.target}{where}")
+    for message in registry.duplicates():
+        print(f"warning: {message}")
+    return 0
 
 
 def print_backends() -> int:

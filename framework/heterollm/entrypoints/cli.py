@@ -1,4 +1,4 @@
-"""The `heterollm` command: serve, generate, backends, config.
+"""The `heterollm` command: serve, generate, backends, models, config.
 
 Every config or launch error is one line on stderr, `heterollm: error: ...`, and exit code 2;
 never a traceback.
@@ -55,6 +55,11 @@ def _cmd_backends(_: LoadedConfig | None) -> int:
     return print_backends()
 
 
+def _cmd_models(_: LoadedConfig | None) -> int:
+    from heterollm.entrypoints.backends import print_models
+    return print_models()
+
+
 def _worker_node(loaded: LoadedConfig) -> bool:
     """A node other than 0 of a multi-node job runs only its tensor-parallel ranks."""
     return loaded.config.distributed.node_rank > 0
@@ -80,6 +85,8 @@ COMMANDS: dict[str, Command] = {
                         extra_groups={"generate": GenerateFlags}),
     "backends": Command("list discovered platforms and components, with origin and usability", _cmd_backends,
                         needs_model=False, takes_flags=False),
+    "models": Command("list registered model architectures, with family and origin", _cmd_models,
+                      needs_model=False, takes_flags=False),
     "config": Command("print the effective config as JSON, with each value's source", _cmd_config),
 }
 
