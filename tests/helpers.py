@@ -12,7 +12,8 @@ FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),  # README: without sliding window
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),  # windows: test_family_variants
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
 }
 
 

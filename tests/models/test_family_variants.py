@@ -19,6 +19,7 @@ VARIANTS = {
     "llama3_rope": ("llama", {"rope_parameters": LLAMA3_ROPE, "head_dim": 16}),
     "mistral_sliding_window": ("mistral", {"sliding_window": 8}),
     "qwen2_sliding_layers": ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),
+    "phi3_partial_rotary_sliding_window": ("phi3", {"partial_rotary_factor": 0.5, "sliding_window": 8}),
 }
 MODES = {
     "default": {},

@@ -9,6 +9,7 @@ CORE_BACKEND = Backend(
         "MistralForCausalLM": "heterollm.model_executor.models.llama:LlamaForCausalLM",
         "Qwen2ForCausalLM": "heterollm.model_executor.models.llama:Qwen2ForCausalLM",
         "Qwen3ForCausalLM": "heterollm.model_executor.models.llama:Qwen3ForCausalLM",
+        "Phi3ForCausalLM": "heterollm.model_executor.models.phi3:Phi3ForCausalLM",
         "LlamaForSequenceClassification": "heterollm.model_executor.models.llama:LlamaForSequenceClassification",
         "MistralForSequenceClassification": "heterollm.model_executor.models.llama:LlamaForSequenceClassification",
         "Qwen2ForSequenceClassification": "heterollm.model_executor.models.llama:Qwen2ForSequenceClassification",

@@ -15,6 +15,14 @@ from heterollm.model_executor.layers import (Attention, ForwardContext, MergedCo
 from heterollm.model_executor.parallel import ParallelContext
 
 
+def rotary_dim(cfg: Any, head_dim: int) -> int:
+    """Features of a head that the rotary embedding turns: head_dim x partial_rotary_factor (read from
+    rope_parameters, where transformers keeps it, or the config)."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or 1.0)
+    return int(head_dim * factor)
+
+
 class DecoderAttention(nn.Module):
     def __init__(self, cfg: Any, layer_idx: int, pctx: ParallelContext, qkv_bias: bool, o_bias: bool,
                  qk_norm: bool, rotary: RotaryEmbedding) -> None:
@@ -32,6 +40,7 @@ class DecoderAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
+        self.rotary_dim = rotary_dim(cfg, self.head_dim)
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
                               sliding_window(cfg, layer_idx))
 
@@ -41,13 +50,21 @@ class DecoderAttention(nn.Module):
         qkv = self.qkv_proj.matmul(x, self.qkv_proj.bias)  # (n, (h + 2 kv) d)
         v = qkv[:, (h + kv) * d:].view(n, kv, d)
         if self.q_norm is None:  # q and k sit side by side: rotate all their heads in one call
-            qk = self.rotary.apply(rope, qkv[:, :(h + kv) * d].view(n, h + kv, d))
+            qk = self.rotate(rope, qkv[:, :(h + kv) * d].view(n, h + kv, d))
             q, k = qk[:, :h], qk[:, h:]
         else:
-            q = self.rotary.apply(rope, self.q_norm(qkv[:, :h * d].view(n, h, d)))
-            k = self.rotary.apply(rope, self.k_norm(qkv[:, h * d:(h + kv) * d].view(n, kv, d)))
+            q = self.rotate(rope, self.q_norm(qkv[:, :h * d].view(n, h, d)))
+            k = self.rotate(rope, self.k_norm(qkv[:, h * d:(h + kv) * d].view(n, kv, d)))
         out = self.attn(q, k, v, ctx)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+    def rotate(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding on the first `rotary_dim` features of each head (all of them unless the
+        config sets a partial_rotary_factor, as Phi-4-mini and GLM do); the rest pass through."""
+        if self.rotary_dim == self.head_dim:
+            return self.rotary.apply(rope, x)
+        r = self.rotary_dim
+        return torch.cat([self.rotary.apply(rope, x[..., :r].contiguous()), x[..., r:]], dim=-1)
 
 
 class MLP(nn.Module):
@@ -83,7 +100,7 @@ class DecoderModel(nn.Module):
                  max_positions: int, mlp_class: type[MLP] = MLP) -> None:
         super().__init__()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        rotary = RotaryEmbedding(cfg, head_dim, max_positions)
+        rotary = RotaryEmbedding(cfg, rotary_dim(cfg, head_dim), max_positions)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, pctx)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, pctx, qkv_bias, o_bias, qk_norm, rotary, mlp_class)
                                     for i in range(cfg.num_hidden_layers))
