@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from heterollm.model_executor import ops
 from heterollm.model_executor.linear_method import LinearMethod
+from heterollm.model_executor.quant_linear import QuantizedLinearMethod, QuantizedWeight
 
 # oneDNN picks its blocked layout for a batch-size hint; measured best overall: 1 for bf16, 64 for fp32
 _PACK_HINT = {torch.bfloat16: 1, torch.float32: 64}
@@ -125,7 +126,66 @@ class WeightOnlyInt4(LinearMethod):
         return y if bias is None else y + bias
 
 
+_INT4_GROUPS = (256, 128, 64, 32)  # the group sizes torch's int4 CPU kernel takes
+
+
+class CheckpointInt4(QuantizedLinearMethod):
+    """GPTQ and AWQ checkpoints (`quantized_linear.gptq`, `quantized_linear.awq`) on the int4 kernel of `wint4`: their
+    w = (code - zero) * scale per group is the kernel's (code - 8) * scale + (8 - zero) * scale, so the
+    codes go in unchanged. A group wider than the kernel's repeats its scale over several kernel
+    groups; GPTQ act-order permutes the input features into contiguous groups once, here, and each
+    call gathers x's columns in that order. A layer whose groups fit no kernel group size (input
+    features not a multiple of 32) is dequantized to the compute dtype instead."""
+
+    name = "int4-checkpoint"
+
+    def prepare(self, weight: QuantizedWeight) -> Any:  # type: ignore[override]
+        n, k = weight.codes.shape
+        codes, scales, zeros, group = weight.codes, weight.scales, weight.zeros, weight.group_size
+        order = None
+        if weight.g_idx is not None:
+            order = torch.argsort(weight.g_idx.long(), stable=True)
+            if not torch.equal(weight.g_idx.long()[order], torch.arange(k) // group):
+                return OneDnnLinear().prepare(weight.dequantize())  # groups of uneven sizes
+            codes = codes[:, order]
+            order = None if torch.equal(order, torch.arange(k)) else order
+        kernel_group = next((g for g in _INT4_GROUPS if group % g == 0 and k % g == 0), None)
+        if kernel_group is None:
+            return OneDnnLinear().prepare(weight.dequantize())
+        per_kernel = torch.arange(k // kernel_group) * kernel_group // group  # scale column of each kernel group
+        scale, zero = scales[:, per_kernel], zeros[:, per_kernel]
+        packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+        scales_and_zeros = torch.stack([scale.t(), ((8 - zero) * scale).t()], -1).contiguous()  # (k / g, n, 2)
+        return packed, scales_and_zeros.to(weight.dtype), kernel_group, order
+
+    def apply(self, state: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if not isinstance(state, tuple):
+            return OneDnnLinear().apply(state, x, bias)
+        packed, scales_and_zeros, group, order = state
+        if order is not None:
+            x = x.index_select(-1, order)
+        y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), packed, group, scales_and_zeros)
+        return y if bias is None else y + bias
+
+
+class CheckpointFp8(QuantizedLinearMethod):
+    """FP8 checkpoints (`quantized_linear.fp8`): the CPU has no FP8 GEMM, and e4m3 values with per-tensor or
+    per-block scales are not int8 codes of one scale per row, so the weight is dequantized once to
+    the compute dtype and prepacked like an unquantized one: 2x the checkpoint's weight bytes in
+    bf16, 4x in fp32."""
+
+    name = "fp8-dequantized"
+
+    def prepare(self, weight: QuantizedWeight) -> Any:  # type: ignore[override]
+        return OneDnnLinear().prepare(weight.dequantize())
+
+    def apply(self, state: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return OneDnnLinear().apply(state, x, bias)
+
+
 def register_ops(config: Any = None) -> None:
     """The CPU backend's `register_ops` (its descriptor names it): the linear methods, family `cpu`."""
     for name, cls in (("none", OneDnnLinear), ("wint8", WeightOnlyInt8), ("wint4", WeightOnlyInt4)):
         ops.register(f"linear.{name}", family="cpu")(cls)
+    for name, cls in (("gptq", CheckpointInt4), ("awq", CheckpointInt4), ("fp8", CheckpointFp8)):
+        ops.register(f"quantized_linear.{name}", family="cpu")(cls)

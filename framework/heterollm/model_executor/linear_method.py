@@ -73,10 +73,11 @@ def select_linear_method(quantization: str | None) -> LinearMethod | None:
 
 def prepare_linears(model: nn.Module, method: LinearMethod | None) -> int:
     """Move every linear layer of `model` onto `method`; returns how many layers it prepared.
-    A weight another module still uses (tied embeddings) is kept; the others are released."""
+    A weight another module still uses (tied embeddings) is kept; the others are released. Layers of
+    a quantized checkpoint (no float `weight`) are quant_linear's `prepare_quantized`'s."""
     if method is None:
         return 0
-    layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+    layers = [m for m in model.modules() if isinstance(m, LinearBase) and m.weight is not None]
     users: dict[int, int] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):

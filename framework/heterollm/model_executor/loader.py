@@ -16,6 +16,8 @@ import torch
 
 from heterollm.config import ConfigError
 from heterollm.model_executor import gguf_cache, hub
+from heterollm.model_executor.quant_checkpoint import unpack_quantized
+from heterollm.model_executor.quant_config import checkpoint_quantization
 
 logger = logging.getLogger("heterollm.loader")
 
@@ -118,6 +120,14 @@ def _progress(items: list, desc: str):
 
 
 def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's (name, tensor) pairs; a quantized checkpoint's packed linear layers come out
+    unpacked into quant_checkpoint's layout."""
+    quant = None if source.gguf_file is not None else checkpoint_quantization(source.hf_config)
+    tensors = _iter_tensors(source)
+    yield from tensors if quant is None else unpack_quantized(tensors, quant)
+
+
+def _iter_tensors(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
     if source.gguf_file is not None:
         yield from _iter_gguf(source)
         return

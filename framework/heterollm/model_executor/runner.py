@@ -20,6 +20,7 @@ from heterollm.model_executor.linear_method import (model_bytes, prepare_linears
                                                      select_linear_method, unpack_for_reload)
 from heterollm.model_executor.loader import ModelSource, iter_weights
 from heterollm.model_executor.parallel import ParallelContext
+from heterollm.model_executor.quant_linear import attach_quantized, checkpoint_methods, prepare_quantized
 from heterollm.model_executor.registry import get_model_class
 from heterollm.model_executor.weight_update import WeightUpdate, WeightUpdateError
 from heterollm.pooling.pooler import Pooler
@@ -174,7 +175,8 @@ class ModelRunner:
     def load_model(self) -> None:
         ops.activate(self.launch.selection.family, self.platform.default_impl)
         try:
-            method = select_linear_method(self.config.fastdeploy.quantization)
+            quant, quant_method = checkpoint_methods(self.config.fastdeploy.quantization, self.source.hf_config)
+            method = select_linear_method(None if quant else self.config.fastdeploy.quantization)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         cls = get_model_class(self.launch.selection, self.source.architectures,
@@ -185,6 +187,8 @@ class ModelRunner:
             torch.set_default_dtype(self.dtype)
             try:
                 model = cls(self.source.hf_config, self.pctx, self.launch.max_model_len)
+                if quant is not None:
+                    attach_quantized(model, quant, getattr(model, "stacked", {}))
             except ValueError as exc:
                 raise ConfigError(f"--model: {self.source.folder}: {exc}") from None
             finally:
@@ -204,13 +208,16 @@ class ModelRunner:
             raise ConfigError(f"--model: {where} is missing weights: {shown} (truncated or incomplete checkpoint?)")
         try:
             prepare_linears(model, method)
+            if quant_method is not None:
+                prepare_quantized(model, quant_method)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.model = model.eval()
         self.weight_bytes = model_bytes(model)
         logger.info("loaded %s (%s, %.1f MiB of weights, %s%s) in %.1fs", type(model).__name__, where,
                     self.weight_bytes / 2**20, str(self.dtype).removeprefix("torch."),
-                    f", linear method {method.name}" if method else "", time.perf_counter() - started)
+                    f", linear method {(quant_method or method).name}" if quant_method or method else "",
+                    time.perf_counter() - started)
 
     def kv_bytes_per_block(self) -> int:
         layers, kv_heads, head_dim = self.model.kv_geometry
@@ -379,6 +386,9 @@ class ModelRunner:
         if self.config.fastdeploy.quantization:
             raise WeightUpdateError("--quantization", f"weights cannot be reloaded into a model quantized on load "
                                     f"(--quantization={self.config.fastdeploy.quantization})")
+        if getattr(self.source.hf_config, "quantization_config", None) is not None:
+            raise WeightUpdateError("path", "weights cannot be reloaded into a quantized checkpoint's model "
+                                            "(its layers hold packed GPTQ / AWQ / FP8 weights)")
         tensors = list(update.tensors())
         with torch.device("meta"):
             dry = type(self.model)(self.source.hf_config, self.pctx, self.launch.max_model_len)
