@@ -10,6 +10,7 @@ CORE_BACKEND = Backend(
         "Qwen2ForCausalLM": "heterollm.model_executor.models.llama:Qwen2ForCausalLM",
         "Qwen3ForCausalLM": "heterollm.model_executor.models.llama:Qwen3ForCausalLM",
         "Phi3ForCausalLM": "heterollm.model_executor.models.phi3:Phi3ForCausalLM",
+        "Glm4ForCausalLM": "heterollm.model_executor.models.glm4:Glm4ForCausalLM",
         "LlamaForSequenceClassification": "heterollm.model_executor.models.llama:LlamaForSequenceClassification",
         "MistralForSequenceClassification": "heterollm.model_executor.models.llama:LlamaForSequenceClassification",
         "Qwen2ForSequenceClassification": "heterollm.model_executor.models.llama:Qwen2ForSequenceClassification",

@@ -97,12 +97,13 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     def __init__(self, cfg: Any, pctx: ParallelContext, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                 max_positions: int, mlp_class: type[MLP] = MLP) -> None:
+                 max_positions: int, mlp_class: type[MLP] = MLP,
+                 layer_class: type[DecoderLayer] = DecoderLayer) -> None:
         super().__init__()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rotary = RotaryEmbedding(cfg, rotary_dim(cfg, head_dim), max_positions)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, pctx)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, pctx, qkv_bias, o_bias, qk_norm, rotary, mlp_class)
+        self.layers = nn.ModuleList(layer_class(cfg, i, pctx, qkv_bias, o_bias, qk_norm, rotary, mlp_class)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = rotary
@@ -121,15 +122,20 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False
     mlp_class: type[MLP] = MLP
     """The feed-forward block; a backend's model override may swap in its own (same weights)."""
+    layer_class: type[DecoderLayer] = DecoderLayer
 
     def __init__(self, hf_config: Any, pctx: ParallelContext, max_positions: int) -> None:
         super().__init__()
         self.config = hf_config
-        attention_bias = bool(getattr(hf_config, "attention_bias", False))
-        qkv_bias = self.force_qkv_bias or attention_bias
-        o_bias = attention_bias and not self.force_qkv_bias
-        self.model = DecoderModel(hf_config, pctx, qkv_bias, o_bias, self.qk_norm, max_positions, self.mlp_class)
+        qkv_bias, o_bias = self.biases(hf_config)
+        self.model = DecoderModel(hf_config, pctx, qkv_bias, o_bias, self.qk_norm, max_positions, self.mlp_class,
+                                  self.layer_class)
         self.build_head(hf_config, pctx)
+
+    def biases(self, hf_config: Any) -> tuple[bool, bool]:
+        """(q/k/v carry a bias, o_proj carries one)."""
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        return self.force_qkv_bias or attention_bias, attention_bias and not self.force_qkv_bias
 
     def build_head(self, hf_config: Any, pctx: ParallelContext) -> None:
         """The output projection `compute_logits` applies: the LM head (tied to the embedding when the

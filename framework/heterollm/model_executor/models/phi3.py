@@ -21,21 +21,22 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         super().__init__(hf_config, pctx, max_positions)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(self._unfuse(weights))
+        return super().load_weights(unfuse(self, weights))
 
-    def _unfuse(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """qkv_proj -> q_proj, k_proj, v_proj; gate_up_proj -> gate_proj, up_proj (rows, in that order)."""
-        attn = self.model.layers[0].self_attn
-        q_rows, kv_rows = attn.total_heads * attn.head_dim, attn.total_kv_heads * attn.head_dim
-        for name, tensor in weights:
-            prefix, _, kind = name.rpartition(".")
-            module, _, proj = prefix.rpartition(".")
-            if proj == "qkv_proj":
-                parts = zip(("q_proj", "k_proj", "v_proj"), tensor.split([q_rows, kv_rows, kv_rows]))
-            elif proj == "gate_up_proj":
-                parts = zip(("gate_proj", "up_proj"), tensor.chunk(2))
-            else:
-                yield name, tensor
-                continue
-            for part, rows in parts:
-                yield f"{module}.{part}.{kind}", rows
+
+def unfuse(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """qkv_proj -> q_proj, k_proj, v_proj; gate_up_proj -> gate_proj, up_proj (rows, in that order)."""
+    attn = model.model.layers[0].self_attn
+    q_rows, kv_rows = attn.total_heads * attn.head_dim, attn.total_kv_heads * attn.head_dim
+    for name, tensor in weights:
+        prefix, _, kind = name.rpartition(".")
+        module, _, proj = prefix.rpartition(".")
+        if proj == "qkv_proj":
+            parts = zip(("q_proj", "k_proj", "v_proj"), tensor.split([q_rows, kv_rows, kv_rows]))
+        elif proj == "gate_up_proj":
+            parts = zip(("gate_proj", "up_proj"), tensor.chunk(2))
+        else:
+            yield name, tensor
+            continue
+        for part, rows in parts:
+            yield f"{module}.{part}.{kind}", rows
