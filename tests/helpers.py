@@ -16,6 +16,9 @@ FAMILIES = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
     "glm4": ("Glm4Config", "Glm4ForCausalLM", {"pad_token_id": 0, "head_dim": 16}),
 }
+VARIANT_FAMILIES = {  # sliding-window families: tests/models/test_family_variants.py, not the example attention
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"pad_token_id": 0}),
+}
 
 
 def smollm2_gguf() -> Path:
@@ -38,7 +41,7 @@ def build_tiny_model(folder: Path, family: str, seed: int = 0, head: str = "caus
     Normalize module, as sentence-transformers checkpoints carry them."""
     import transformers
 
-    cfg_name, model_name, extra = FAMILIES[family]
+    cfg_name, model_name, extra = {**FAMILIES, **VARIANT_FAMILIES}[family]
     if head == "classification":
         model_name = model_name.replace("ForCausalLM", "ForSequenceClassification")
         extra = {**extra, "num_labels": 1, "pad_token_id": 0}

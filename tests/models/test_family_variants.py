@@ -20,6 +20,12 @@ VARIANTS = {
     "mistral_sliding_window": ("mistral", {"sliding_window": 8}),
     "qwen2_sliding_layers": ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),
     "phi3_partial_rotary_sliding_window": ("phi3", {"partial_rotary_factor": 0.5, "sliding_window": 8}),
+    "gemma3_text": ("gemma3", {"sliding_window": 8, "sliding_window_pattern": 2, "head_dim": 16,
+                               "query_pre_attn_scalar": 24, "final_logit_softcapping": 30.0,
+                               "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                      "rope_theta": 1000000.0},
+                                                   "sliding_attention": {"rope_type": "default",
+                                                                         "rope_theta": 10000.0}}}),
 }
 MODES = {
     "default": {},

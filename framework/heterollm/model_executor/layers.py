@@ -155,18 +155,23 @@ class RotaryEmbedding(nn.Module):
     and then moved to the device the model is being built on (`torch.get_default_device()`,
     i.e. the enclosing `with torch.device(...)`), so every device gets the same table."""
 
-    def __init__(self, hf_config: Any, head_dim: int, max_positions: int) -> None:
+    def __init__(self, hf_config: Any, head_dim: int, max_positions: int, layer_type: str | None = None) -> None:
+        """`layer_type`: for configs whose rope_parameters are keyed by layer type (Gemma 3: its
+        "sliding_attention" and "full_attention" layers turn at different bases)."""
         super().__init__()
         device = torch.get_default_device()
         with torch.device("cpu"):
-            cos, sin = self._table(hf_config, head_dim, max_positions)
+            cos, sin = self._table(hf_config, head_dim, max_positions, layer_type)
         self.register_buffer("cos", cos.to(device), persistent=False)
         self.register_buffer("sin", sin.to(device), persistent=False)
 
     @staticmethod
-    def _table(hf_config: Any, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _table(hf_config: Any, head_dim: int, max_positions: int,
+               layer_type: str | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each (max_positions, head_dim // 2) fp32, on the current default device."""
         params = getattr(hf_config, "rope_parameters", None) or {}
+        if layer_type is not None:
+            params = params[layer_type]
         rope_type = params.get("rope_type", "default")
         if rope_type == "default":
             base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
@@ -178,7 +183,8 @@ class RotaryEmbedding(nn.Module):
                 raise ValueError(f"rope type {rope_type!r} is not supported")
             if rope_type == "dynamic":
                 raise ValueError("rope type 'dynamic' depends on the running sequence length; not supported yet")
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+            by_type = {} if layer_type is None else {"layer_type": layer_type}
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **by_type)
         t = torch.arange(max_positions, dtype=torch.float)
         freqs = torch.outer(t, inv_freq.float())
         return freqs.cos() * scaling, freqs.sin() * scaling

@@ -1,0 +1,104 @@
+"""Gemma 3, text only (Gemma3ForCausalLM: gemma-3-1b and the text checkpoints): the Llama layer API
+with Gemma's differences: RMSNorm scaled by (1 + weight) in fp32, embeddings times sqrt(hidden),
+a norm before and after both attention and MLP, GeLU-tanh gating, per-head q/k norms, the score
+scale query_pre_attn_scalar^-0.5, and sliding-window layers that turn their rotary embedding at
+a local base while the full-attention layers use the global one (with its scaling)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from heterollm.model_executor.layers import (ForwardContext, MergedColumnParallelLinear, RotaryEmbedding,
+                                             RowParallelLinear, VocabParallelEmbedding, _copy)
+from heterollm.model_executor.models.llama import DecoderAttention, LlamaForCausalLM
+from heterollm.model_executor.parallel import ParallelContext
+
+
+class GemmaRMSNorm(nn.Module):
+    """x / rms(x) * (1 + weight), computed in fp32 and cast back, as transformers' Gemma3RMSNorm."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False)
+        self.weight.weight_loader = _copy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GemmaMLP(nn.Module):
+    def __init__(self, cfg: Any, pctx: ParallelContext) -> None:
+        super().__init__()
+        act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "gelu_pytorch_tanh")
+        if act != "gelu_pytorch_tanh":
+            raise ValueError(f"hidden_activation {act!r} is not supported (gelu_pytorch_tanh only)")
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, pctx)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, pctx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, idx: int, pctx: ParallelContext, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_type = cfg.layer_types[idx]
+        self.self_attn = DecoderAttention(cfg, idx, pctx, False, False, True, rotary)
+        head_dim = self.self_attn.head_dim
+        self.self_attn.q_norm = GemmaRMSNorm(head_dim, cfg.rms_norm_eps)
+        self.self_attn.k_norm = GemmaRMSNorm(head_dim, cfg.rms_norm_eps)
+        self.self_attn.attn.scale = cfg.query_pre_attn_scalar ** -0.5
+        self.mlp = GemmaMLP(cfg, pctx)
+        norms = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm")
+        for name in norms:
+            setattr(self, name, GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(rope, self.input_layernorm(x), ctx))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, cfg: Any, pctx: ParallelContext, max_positions: int) -> None:
+        super().__init__()
+        if getattr(cfg, "attn_logit_softcapping", None) is not None:
+            raise ValueError("attn_logit_softcapping (Gemma 2 style) is not supported by the attention backends")
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.rotary = nn.ModuleDict({t: RotaryEmbedding(cfg, head_dim, max_positions, t)
+                                     for t in sorted(set(cfg.layer_types))})
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, pctx)
+        self.embed_scale = cfg.hidden_size ** 0.5
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i, pctx, self.rotary[cfg.layer_types[i]])
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # rounded to the dtype, as transformers does
+        ropes = {t: rotary.lookup(positions) for t, rotary in self.rotary.items()}
+        for layer in self.layers:
+            x = layer(ropes[layer.layer_type], x, ctx)
+        return self.norm(x)
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    def __init__(self, hf_config: Any, pctx: ParallelContext, max_positions: int) -> None:
+        nn.Module.__init__(self)
+        self.config = hf_config
+        self.model = Gemma3Model(hf_config, pctx, max_positions)
+        self.softcap = getattr(hf_config, "final_logit_softcapping", None)
+        self.build_head(hf_config, pctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        if self.softcap is None:
+            return logits
+        return torch.tanh(logits / self.softcap) * self.softcap
