@@ -125,3 +125,15 @@ def test_revision_with_a_local_folder_is_refused(hub_models):
     _, local = hub_models
     with pytest.raises(ConfigError, match="--revision=v2"):
         resolve_model(str(local["main"]), "v2")
+
+
+def test_model_id_is_the_served_name():
+    from heterollm.config import load_config
+    from heterollm.entrypoints.serve import server_settings
+
+    def served(*argv: str) -> list[str]:
+        return server_settings(load_config(["--model", REPO, *argv])).served_model_names
+
+    assert served() == [REPO]
+    assert served("--model_id", "tiny") == ["tiny"]
+    assert served("--model_id", "tiny", "--served_model_name", "other") == ["other"]
