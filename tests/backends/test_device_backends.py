@@ -59,6 +59,12 @@ def test_graph_capturable_attention_matches_the_reference_on_cpu(block_size):
     check_paged_attention(TorchPagedAttention(), torch.device("cpu"), block_size, steps=12)
 
 
+@pytest.mark.parametrize("window", [1, 6])
+def test_graph_capturable_attention_honours_a_sliding_window_on_cpu(window):
+    """NPU and MLU run this attention: a sliding-window model (Mistral, Gemma 3) launches there."""
+    check_paged_attention(TorchPagedAttention(), torch.device("cpu"), 4, steps=12, sliding_window=window)
+
+
 def test_batch_size_buckets():
     def sizes(**flags):
         return graph_batch_sizes(load_config([], overrides={"model": "x", **flags}).config)

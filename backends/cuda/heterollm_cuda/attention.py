@@ -87,6 +87,11 @@ class CudaPagedAttention(TorchPagedAttention):
         meta.max_query_len, meta.max_seq_len = max(inputs.query_lens), max(seq_lens)
         return meta
 
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        """Not yet: the varlen path would pass window_size=(W - 1, 0), untested on a GPU so far."""
+        return False
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: CudaMetadata, scale: float) -> torch.Tensor:
         if metadata.kv_slots is None or not self.uses_varlen(query):

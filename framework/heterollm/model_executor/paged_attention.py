@@ -36,6 +36,14 @@ from torch.nn.attention.bias import causal_lower_right
 from heterollm.interfaces import AttentionBackend, AttentionInputs, AttentionMetadata
 
 
+def window_mask(num_queries: int, num_keys: int, window: int, device: torch.device) -> torch.Tensor:
+    """(q, k) boolean: query row j, at position num_keys - num_queries + j, sees the keys at most
+    `window` - 1 positions before it, and none after."""
+    query_pos = torch.arange(num_keys - num_queries, num_keys, device=device).unsqueeze(1)
+    key_pos = torch.arange(num_keys, device=device).unsqueeze(0)
+    return (key_pos <= query_pos) & (key_pos > query_pos - window)
+
+
 class Prefill(NamedTuple):
     """One non-decode sequence of a step: its query rows, and where its keys come from."""
 
@@ -88,6 +96,10 @@ class TorchPagedAttention(AttentionBackend):
     def validate(cls, config) -> list[str]:
         return []
 
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (2, num_kv_heads, num_blocks + 1, block_size, head_dim)
 
@@ -121,16 +133,16 @@ class TorchPagedAttention(AttentionBackend):
         return meta
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: PagedMetadata, scale: float) -> torch.Tensor:
+                metadata: PagedMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
         self.write(kv_cache, metadata.slot_mapping, key, value)
         if metadata.decode_only:
-            return self.decode(query, kv_cache, metadata.block_tables, metadata.seq_lens, scale)
+            return self.decode(query, kv_cache, metadata.block_tables, metadata.seq_lens, scale, sliding_window)
         out = torch.empty_like(query)
         if metadata.decode_rows is not None:
             seqs = metadata.decode_seqs
             out[metadata.decode_rows] = self.decode(query[metadata.decode_rows], kv_cache, metadata.block_tables[seqs],
-                                                    metadata.seq_lens[seqs], scale)
-        self.prefill(query, key, value, kv_cache, metadata, scale, out)
+                                                    metadata.seq_lens[seqs], scale, sliding_window)
+        self.prefill(query, key, value, kv_cache, metadata, scale, out, sliding_window)
         return out
 
     def write(self, kv_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -146,34 +158,43 @@ class TorchPagedAttention(AttentionBackend):
 
     @staticmethod
     def decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-               scale: float) -> torch.Tensor:
+               scale: float, sliding_window: int | None = None) -> torch.Tensor:
         """One query token per sequence, fixed shapes: query (B, H, D) over each sequence's W blocks
-        (block_tables (B, W)); keys at or past seq_lens are masked. Returns (B, H, D)."""
+        (block_tables (B, W)); keys at or past seq_lens, and before the sliding window, are masked.
+        Returns (B, H, D)."""
         b, heads, head_dim = query.shape
         num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[3]
         length = block_tables.shape[1] * block_size
         kv = kv_cache.index_select(2, block_tables.flatten()).view(2, num_kv_heads, b, length, head_dim)
         q = query.view(b, num_kv_heads, heads // num_kv_heads, head_dim).transpose(0, 1).to(kv.dtype)  # (KV, B, G, D)
-        valid = torch.arange(length, device=query.device) < seq_lens[:, None]  # (B, L)
+        keys = torch.arange(length, device=query.device)
+        valid = keys < seq_lens[:, None]  # (B, L)
+        if sliding_window is not None:
+            valid &= keys >= seq_lens[:, None] - sliding_window
         out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=valid[None, :, None, :], scale=scale)
         return out.transpose(0, 1).reshape(b, heads, head_dim).to(query.dtype)
 
     @staticmethod
     def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: PagedMetadata, scale: float, out: torch.Tensor) -> None:
-        """Each prefill's query rows over its context and new tokens, causal, into `out`; one
-        gather serves every prefill with cached context."""
+                metadata: PagedMetadata, scale: float, out: torch.Tensor, sliding_window: int | None = None) -> None:
+        """Each prefill's query rows over its context and new tokens, causal (and within the sliding
+        window), into `out`; one gather serves every prefill with cached context."""
         context = None
         if metadata.context_slots is not None:
             num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[-1]
             context = kv_cache.view(2, num_kv_heads, -1, head_dim).index_select(2, metadata.context_slots)
         for p in metadata.prefills:
             q = query[p.start:p.end].transpose(0, 1).unsqueeze(0)  # (1, H, q, D)
-            if p.kv_start is None:  # keys are the chunk's own: plain causal
+            if p.kv_start is None:  # keys are the chunk's own
                 k, v = (t[p.start:p.end].transpose(0, 1).unsqueeze(0).to(q.dtype) for t in (key, value))
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
             else:  # (1, KV, seq_len, D); query row j sits at position seq_len - q_len + j
                 k, v = (context[i, :, p.kv_start:p.kv_end].unsqueeze(0).to(q.dtype) for i in (0, 1))
+            if sliding_window is not None:
+                mask = window_mask(q.shape[2], k.shape[2], sliding_window, q.device)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            elif p.kv_start is None:  # plain causal
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            else:
                 bias = causal_lower_right(q.shape[2], k.shape[2])
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
             out[p.start:p.end] = o[0].transpose(0, 1)
