@@ -17,6 +17,7 @@ FAMILIES = {
     "glm4": ("Glm4Config", "Glm4ForCausalLM", {"pad_token_id": 0, "head_dim": 16}),
 }
 VARIANT_FAMILIES = {  # sliding-window families: tests/models/test_family_variants.py, not the example attention
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"pad_token_id": 0}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"pad_token_id": 0}),
 }
 

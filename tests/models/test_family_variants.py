@@ -20,6 +20,8 @@ VARIANTS = {
     "mistral_sliding_window": ("mistral", {"sliding_window": 8}),
     "qwen2_sliding_layers": ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),
     "phi3_partial_rotary_sliding_window": ("phi3", {"partial_rotary_factor": 0.5, "sliding_window": 8}),
+    "gemma2": ("gemma2", {"sliding_window": 8, "head_dim": 16, "query_pre_attn_scalar": 24,
+                          "attn_logit_softcapping": 2.0, "final_logit_softcapping": 30.0}),
     "gemma3_text": ("gemma3", {"sliding_window": 8, "sliding_window_pattern": 2, "head_dim": 16,
                                "query_pre_attn_scalar": 24, "final_logit_softcapping": 30.0,
                                "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0,
@@ -72,3 +74,10 @@ def test_an_attention_without_sliding_window_is_refused_at_launch(tmp_path):
         LLM(str(folder), dtype="float32", num_gpu_blocks_override=32, extension_impl="example")
     msg = str(err.value)
     assert "sliding window of 8 tokens" in msg and "example" in msg and "\n" not in msg
+
+
+def test_an_attention_without_score_capping_is_refused_at_launch(tmp_path):
+    folder = build_tiny_model(tmp_path / "m", "gemma2", sliding_window=8, head_dim=16, attn_logit_softcapping=2.0)
+    with pytest.raises(LaunchError) as err:
+        LLM(str(folder), dtype="float32", num_gpu_blocks_override=32, extension_impl="example")
+    assert err.value.reasons[1].startswith("--model: the checkpoint caps attention scores (attn_logit_softcapping=2.0)")

@@ -9,7 +9,8 @@ masked with -inf and the softmax runs in fp32. (For these shapes, 3 query rows p
 few hundred keys, torch's SDPA on CPU is 3-10x slower than two bmm calls.) Each prefill chunk
 attends over its cached context plus its own tokens through SDPA with a causal offset mask. The
 gather plans are built once per step in `build_metadata` and shared by every layer. A layer's sliding
-window masks the keys before it (decode bias, prefill mask); the cache still holds them.
+window masks the keys before it (decode bias, prefill mask); the cache still holds them. Capped
+scores (Gemma 2's tanh soft-capping) run prefill chunks through explicit matmuls instead of SDPA.
 """
 from __future__ import annotations
 
@@ -57,6 +58,18 @@ def _window_mask(num_queries: int, mask: torch.Tensor | None, window: int, devic
     return (key_pos <= query_pos) & (key_pos > query_pos - window)
 
 
+def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                softcap: float) -> torch.Tensor:
+    """Attention with tanh-capped scores (Gemma 2), which SDPA cannot do: q (H, q, D), k/v (KV, k, D),
+    mask (q, k) boolean. Returns (q, H, D)."""
+    heads, num_kv_heads = q.shape[0], k.shape[0]
+    qg = q.reshape(num_kv_heads, heads // num_kv_heads, *q.shape[1:])  # (KV, G, q, D)
+    scores = torch.matmul(qg, k.unsqueeze(1).transpose(-1, -2)).float().mul_(scale)  # (KV, G, q, k)
+    scores = scores.div_(softcap).tanh_().mul_(softcap).masked_fill_(~mask, float("-inf"))
+    out = torch.matmul(scores.softmax(-1).to(v.dtype), v.unsqueeze(1))  # (KV, G, q, D)
+    return out.reshape(heads, *q.shape[1:]).transpose(0, 1)
+
+
 @dataclass
 class CpuAttentionMetadata(AttentionMetadata):
     """Adds the per-step gather plans every layer reuses: which cache slots each decode and each
@@ -93,6 +106,10 @@ class CpuPagedAttention(AttentionBackend):
 
     @classmethod
     def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_logit_softcap(cls) -> bool:
         return True
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -139,7 +156,8 @@ class CpuPagedAttention(AttentionBackend):
         return meta
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: CpuAttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                metadata: CpuAttentionMetadata, scale: float, sliding_window: int | None = None,
+                logit_softcap: float | None = None) -> torch.Tensor:
         _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
         if torch.compiler.is_compiling():  # one opaque in-place op: a compiled step must not copy the cache
             torch.ops.heterollm_cpu.write_kv(kv_cache, metadata.fresh_blocks, metadata.slot_mapping, key, value)
@@ -147,14 +165,15 @@ class CpuPagedAttention(AttentionBackend):
             _write_kv(kv_cache, metadata.fresh_blocks, metadata.slot_mapping, key, value)
         bias = metadata.decode_bias
         if bias is not None and sliding_window is not None:  # keys before the window count as padding
-            early = torch.arange(bias.shape[-1], device=bias.device) < (metadata.decode_lens - sliding_window).unsqueeze(1)
+            first = (metadata.decode_lens - sliding_window).unsqueeze(1)
+            early = torch.arange(bias.shape[-1], device=bias.device) < first
             bias = bias.masked_fill(early[None, :, None], float("-inf"))  # (B, L) -> (1, B, 1, L)
         if metadata.decode_only:  # no scatter back
-            return self._decode(query, kv_cache, metadata.decode_blocks, bias, scale)
+            return self._decode(query, kv_cache, metadata.decode_blocks, bias, scale, logit_softcap)
         out = torch.empty_like(query)
         if metadata.decode_rows is not None:
             rows = metadata.decode_rows
-            out[rows] = self._decode(query[rows], kv_cache, metadata.decode_blocks, bias, scale)
+            out[rows] = self._decode(query[rows], kv_cache, metadata.decode_blocks, bias, scale, logit_softcap)
         for s, e, blocks, mask in metadata.prefills:
             if sliding_window is not None:
                 mask = _window_mask(e - s, mask, sliding_window, query.device)
@@ -165,6 +184,11 @@ class CpuPagedAttention(AttentionBackend):
                 total = mask.shape[1]
                 k = kv_cache[0].index_select(1, blocks).view(num_kv_heads, -1, head_dim)[:, :total]
                 v = kv_cache[1].index_select(1, blocks).view(num_kv_heads, -1, head_dim)[:, :total]
+            if logit_softcap is not None:
+                if mask is None:  # the chunk alone: an explicit causal mask (a window of the whole chunk)
+                    mask = _window_mask(e - s, None, e - s, query.device)
+                out[s:e] = _softcapped(q[0], k.to(q.dtype), v.to(q.dtype), mask, scale, logit_softcap)
+                continue
             o = F.scaled_dot_product_attention(q, k.unsqueeze(0).to(q.dtype), v.unsqueeze(0).to(q.dtype),
                                                attn_mask=mask, is_causal=mask is None, scale=scale,
                                                enable_gqa=True)
@@ -173,7 +197,7 @@ class CpuPagedAttention(AttentionBackend):
 
     @staticmethod
     def _decode(query: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor,
-                scale: float) -> torch.Tensor:
+                scale: float, logit_softcap: float | None = None) -> torch.Tensor:
         """query (B, H, D), one token per sequence; blocks (B * nb,); bias (1, B, 1, L). -> (B, H, D)"""
         num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[-1]
         b, heads, length = query.shape[0], query.shape[1], bias.shape[-1]
@@ -181,6 +205,9 @@ class CpuPagedAttention(AttentionBackend):
         k = kv_cache[0].index_select(1, blocks).view(num_kv_heads, b, length, head_dim)  # (KV, B, L, D)
         v = kv_cache[1].index_select(1, blocks).view(num_kv_heads, b, length, head_dim)
         q = query.reshape(b, num_kv_heads, heads // num_kv_heads, head_dim).transpose(0, 1).to(k.dtype)  # (KV, B, G, D)
-        scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale).add_(bias)  # (KV, B, G, L)
+        scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)  # (KV, B, G, L)
+        if logit_softcap is not None:
+            scores = scores.div_(logit_softcap).tanh_().mul_(logit_softcap)
+        scores = scores.add_(bias)
         probs = scores.softmax(-1).to(v.dtype)
         return torch.matmul(probs, v).transpose(0, 1).reshape(b, heads, head_dim).to(query.dtype)

@@ -107,15 +107,24 @@ class AttentionBackend(Component):
         never asked for a window."""
         return False
 
+    @classmethod
+    def supports_logit_softcap(cls) -> bool:
+        """Whether `forward` honours `logit_softcap` (Gemma 2's attn_logit_softcapping). False (the
+        default): such a model is refused at launch with that reason."""
+        return False
+
     @abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                metadata: AttentionMetadata, scale: float, sliding_window: int | None = None,
+                logit_softcap: float | None = None) -> torch.Tensor:
         """Causal paged attention.
 
         query: (num_tokens, num_heads, head_dim); key, value: (num_tokens, num_kv_heads, head_dim);
         kv_cache: this layer's tensor of `kv_cache_shape`. Returns (num_tokens, num_heads, head_dim).
         `sliding_window` W (only where `supports_sliding_window()`): the query at position p attends
         to keys at positions p - W + 1 .. p, as transformers' sliding-window mask; None: to all.
+        `logit_softcap` c (only where `supports_logit_softcap()`): scores s = scale * q.k become
+        c * tanh(s / c) before the mask and softmax.
 
         Every sequence's new K/V must be in the cache before any sequence of the step reads it: a
         sequence's context may include blocks another sequence of the same step is computing (the

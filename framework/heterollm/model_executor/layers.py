@@ -213,15 +213,14 @@ def sliding_window(hf_config: Any, layer_idx: int) -> int | None:
 
 class Attention(nn.Module):
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 window: int | None = None) -> None:
+                 window: int | None = None, softcap: float | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
-        self.window = window
-        """Sliding window in tokens (the launch checked that the attention backend honours it)."""
+        options = (("sliding_window", window), ("logit_softcap", softcap))
+        self.options: dict[str, int | float] = {name: value for name, value in options if value is not None}
+        """The backend's optional arguments this layer needs: a sliding window in tokens, a score cap (the
+        launch checked that the attention backend honours them; a backend is never asked for others)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        if self.window is None:
-            return ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.metadata, self.scale)
-        return ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.metadata, self.scale,
-                                   sliding_window=self.window)
+        return ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.metadata, self.scale, **self.options)

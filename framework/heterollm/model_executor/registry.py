@@ -29,17 +29,24 @@ def get_model_class(selection: Selection, architectures: Sequence[str], where: s
 
 
 def check_model_support(selection: Selection, hf_config: Any) -> None:
-    """Raise a LaunchError when the selected components cannot run this checkpoint faithfully. A
-    model with sliding-window layers needs an attention backend that honours the window: ignoring
-    it would silently change every answer past the window."""
+    """Raise a LaunchError when the selected attention backend cannot run this checkpoint faithfully:
+    a sliding window or capped attention scores it does not honour would silently change answers."""
     from heterollm.model_executor.layers import sliding_window
     from heterollm.plugins.resolver import LaunchError
 
     num_layers = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
     windows = sorted({w for i in range(num_layers) if (w := sliding_window(hf_config, i)) is not None})
+    softcap = getattr(hf_config, "attn_logit_softcapping", None)
     attention = selection.components["attention"]
+    backend = f"attention {attention.name} ({attention.dist} {attention.version})"
+    reasons = []
     if windows and not attention.obj.supports_sliding_window():
-        raise LaunchError([f"--model: the checkpoint attends over a sliding window of {windows[0]} tokens, which "
-                           f"attention {attention.name} ({attention.dist} {attention.version}) does not honour "
-                           f"(supports_sliding_window() is False); choose an attention family that does, e.g. "
-                           f"the CPU backend's"])
+        reasons.append(f"--model: the checkpoint attends over a sliding window of {windows[0]} tokens, which "
+                       f"{backend} does not honour (supports_sliding_window() is False); choose an attention "
+                       f"family that does, e.g. the CPU backend's")
+    if softcap is not None and not attention.obj.supports_logit_softcap():
+        reasons.append(f"--model: the checkpoint caps attention scores (attn_logit_softcapping={softcap}), which "
+                       f"{backend} does not (supports_logit_softcap() is False); choose an attention family "
+                       f"that does, e.g. the CPU backend's")
+    if reasons:
+        raise LaunchError(reasons)

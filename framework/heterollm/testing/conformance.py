@@ -9,8 +9,8 @@ Checks (each names the component it exercises):
     range the core implements, and `validate` a default config without complaint;
   - attention: paged attention over mixed batches (prefill, chunked prefill over cached context,
     decode) on shuffled block tables of a NaN-filled cache, against a float64 dense reference, for
-    several block sizes, and with a sliding window where the backend supports one; the metadata's
-    declared fields (what graph runners read) match the step;
+    several block sizes, and with a sliding window and capped scores where the backend supports
+    them; the metadata's declared fields (what graph runners read) match the step;
     a scratch block, if the layout has one, is no sequence's block;
   - dtypes: every dtype the platform says it supports (`supports_dtype`) runs that attention
     within the dtype's tolerance, and `--dtype auto` never picks one it does not support;
@@ -111,11 +111,14 @@ def test_registration_and_contract_range(target):
 H, KV, D = 6, 2, 8
 
 
-def dense_reference(q, k, v, ctx, scale, window=None):
+def dense_reference(q, k, v, ctx, scale, window=None, softcap=None):
     """q (n, H, D) at positions ctx..ctx+n-1 over one sequence's k/v (ctx+n, KV, D), in float64; with
-    `window`, each query sees only its last `window` keys (itself included)."""
+    `window`, each query sees only its last `window` keys (itself included); with `softcap` c, scores
+    are c * tanh(scores / c)."""
     q, k, v = q.double(), k.double().repeat_interleave(H // KV, 1), v.double().repeat_interleave(H // KV, 1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     keys, queries = torch.arange(k.shape[0])[None, :], torch.arange(ctx, ctx + q.shape[0])[:, None]
     causal = (keys <= queries) & (keys > queries - window) if window else keys <= queries
     return torch.einsum("hqk,khd->qhd", scores.masked_fill(~causal, float("-inf")).softmax(-1), v)
@@ -135,6 +138,16 @@ def test_paged_attention_sliding_window_matches_dense_reference(target, window):
     if not backend.supports_sliding_window():
         pytest.skip(f"{backend.__name__} does not honour a sliding window (a launch refuses such models)")
     check_paged_attention(backend(), torch.device(selection.platform.device_type), 4, sliding_window=window)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_paged_attention_logit_softcap_matches_dense_reference(target, window):
+    _, selection = target
+    backend = selection.component("attention")
+    if not backend.supports_logit_softcap() or (window and not backend.supports_sliding_window()):
+        pytest.skip(f"{backend.__name__} does not cap attention scores (a launch refuses such models)")
+    check_paged_attention(backend(), torch.device(selection.platform.device_type), 4, sliding_window=window,
+                          logit_softcap=0.5)
 
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
@@ -170,7 +183,8 @@ def test_attention_scratch_block_is_no_sequences_block(target):
 
 
 def check_paged_attention(backend, device: torch.device, block_size: int, steps: int = 10,
-                          dtype: torch.dtype = torch.float32, sliding_window: int | None = None) -> None:
+                          dtype: torch.dtype = torch.float32, sliding_window: int | None = None,
+                          logit_softcap: float | None = None) -> None:
     """Mixed steps (prefill, chunked prefill over cached context, decode; decode-only steps too) on
     shuffled block tables of a NaN-filled cache of `dtype`, each output against the dense reference."""
     from heterollm.interfaces import AttentionInputs
@@ -198,13 +212,15 @@ def check_paged_attention(backend, device: torch.device, block_size: int, steps:
         check_metadata(meta, inputs)
         total = sum(q_lens)
         q, k, v = (torch.randn(total, h, D, generator=gen).to(dtype) for h in (H, KV, KV))
-        window = {} if sliding_window is None else {"sliding_window": sliding_window}
-        out = backend.forward(q.to(device), k.to(device), v.to(device), cache, meta, scale, **window).cpu()
+        extra = {name: value for name, value in (("sliding_window", sliding_window), ("logit_softcap", logit_softcap))
+                 if value is not None}
+        out = backend.forward(q.to(device), k.to(device), v.to(device), cache, meta, scale, **extra).cpu()
         assert out.shape == (total, H, D) and out.dtype == dtype
         start = 0
         for s, n, ctx in zip(seqs, q_lens, ctx_lens):
             s["k"], s["v"] = torch.cat([s["k"], k[start:start + n]]), torch.cat([s["v"], v[start:start + n]])
-            want = dense_reference(q[start:start + n], s["k"], s["v"], ctx, scale, sliding_window).float()
+            want = dense_reference(q[start:start + n], s["k"], s["v"], ctx, scale, sliding_window,
+                                   logit_softcap).float()
             tol = TOLERANCE[dtype]
             torch.testing.assert_close(out[start:start + n].float(), want, atol=tol, rtol=tol)
             start += n

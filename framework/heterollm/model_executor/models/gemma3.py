@@ -1,8 +1,10 @@
-"""Gemma 3, text only (Gemma3ForCausalLM: gemma-3-1b and the text checkpoints): the Llama layer API
-with Gemma's differences: RMSNorm scaled by (1 + weight) in fp32, embeddings times sqrt(hidden),
-a norm before and after both attention and MLP, GeLU-tanh gating, per-head q/k norms, the score
-scale query_pre_attn_scalar^-0.5, and sliding-window layers that turn their rotary embedding at
-a local base while the full-attention layers use the global one (with its scaling)."""
+"""Gemma 2 and Gemma 3 text (Gemma2ForCausalLM; Gemma3ForCausalLM: gemma-3-1b and the text
+checkpoints): the Llama layer API with Gemma's differences: RMSNorm scaled by (1 + weight) in fp32,
+embeddings times sqrt(hidden), a norm before and after both attention and MLP, GeLU-tanh gating,
+the score scale query_pre_attn_scalar^-0.5, final logit soft-capping, and alternating sliding-window
+layers. Gemma 2 caps attention scores (attn_logit_softcapping, through the attention backend);
+Gemma 3 adds per-head q/k norms and turns its sliding layers' rotary embedding at a local base
+while the full-attention layers use the global one (with its scaling)."""
 from __future__ import annotations
 
 from typing import Any
@@ -46,15 +48,20 @@ class GemmaMLP(nn.Module):
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
-class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, idx: int, pctx: ParallelContext, rotary: RotaryEmbedding) -> None:
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, idx: int, pctx: ParallelContext, rotary: RotaryEmbedding, rope_key: str,
+                 qk_norm: bool) -> None:
         super().__init__()
-        self.layer_type = cfg.layer_types[idx]
-        self.self_attn = DecoderAttention(cfg, idx, pctx, False, False, True, rotary)
+        self.rope_key = rope_key
+        """Which of the model's rotary tables this layer uses."""
+        self.self_attn = DecoderAttention(cfg, idx, pctx, False, False, qk_norm, rotary)
         head_dim = self.self_attn.head_dim
-        self.self_attn.q_norm = GemmaRMSNorm(head_dim, cfg.rms_norm_eps)
-        self.self_attn.k_norm = GemmaRMSNorm(head_dim, cfg.rms_norm_eps)
+        if qk_norm:
+            self.self_attn.q_norm = GemmaRMSNorm(head_dim, cfg.rms_norm_eps)
+            self.self_attn.k_norm = GemmaRMSNorm(head_dim, cfg.rms_norm_eps)
         self.self_attn.attn.scale = cfg.query_pre_attn_scalar ** -0.5
+        if getattr(cfg, "attn_logit_softcapping", None) is not None:
+            self.self_attn.attn.options["logit_softcap"] = float(cfg.attn_logit_softcapping)
         self.mlp = GemmaMLP(cfg, pctx)
         norms = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                  "post_feedforward_layernorm")
@@ -66,17 +73,21 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class Gemma3Model(nn.Module):
-    def __init__(self, cfg: Any, pctx: ParallelContext, max_positions: int) -> None:
+class GemmaModel(nn.Module):
+    def __init__(self, cfg: Any, pctx: ParallelContext, max_positions: int, qk_norm: bool) -> None:
         super().__init__()
-        if getattr(cfg, "attn_logit_softcapping", None) is not None:
-            raise ValueError("attn_logit_softcapping (Gemma 2 style) is not supported by the attention backends")
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.rotary = nn.ModuleDict({t: RotaryEmbedding(cfg, head_dim, max_positions, t)
-                                     for t in sorted(set(cfg.layer_types))})
+        params = getattr(cfg, "rope_parameters", None) or {}
+        types = sorted(set(cfg.layer_types))
+        if all(isinstance(params.get(t), dict) for t in types):  # Gemma 3: a table per layer type
+            self.rotary = nn.ModuleDict({t: RotaryEmbedding(cfg, head_dim, max_positions, t) for t in types})
+            keys = list(cfg.layer_types)
+        else:
+            self.rotary = nn.ModuleDict({"all": RotaryEmbedding(cfg, head_dim, max_positions)})
+            keys = ["all"] * cfg.num_hidden_layers
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, pctx)
         self.embed_scale = cfg.hidden_size ** 0.5
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i, pctx, self.rotary[cfg.layer_types[i]])
+        self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, i, pctx, self.rotary[keys[i]], keys[i], qk_norm)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -85,15 +96,17 @@ class Gemma3Model(nn.Module):
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # rounded to the dtype, as transformers does
         ropes = {t: rotary.lookup(positions) for t, rotary in self.rotary.items()}
         for layer in self.layers:
-            x = layer(ropes[layer.layer_type], x, ctx)
+            x = layer(ropes[layer.rope_key], x, ctx)
         return self.norm(x)
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True
+
     def __init__(self, hf_config: Any, pctx: ParallelContext, max_positions: int) -> None:
         nn.Module.__init__(self)
         self.config = hf_config
-        self.model = Gemma3Model(hf_config, pctx, max_positions)
+        self.model = GemmaModel(hf_config, pctx, max_positions, self.qk_norm)
         self.softcap = getattr(hf_config, "final_logit_softcapping", None)
         self.build_head(hf_config, pctx)
 
@@ -102,3 +115,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if self.softcap is None:
             return logits
         return torch.tanh(logits / self.softcap) * self.softcap
+
+
+class Gemma2ForCausalLM(Gemma3ForCausalLM):
+    qk_norm = False
