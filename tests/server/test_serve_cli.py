@@ -81,7 +81,7 @@ def test_port_in_use_is_a_one_line_error(cli, long_model):
     assert r.rc == 2 and f"--port: cannot listen on 127.0.0.1:{port}" in r.err and "Traceback" not in r.err
 
 
-@pytest.mark.parametrize("flag", ["--num_threads=4", "--rpc_channel_timeout_ms=5", "--tool_call_parser=qwen3"])
+@pytest.mark.parametrize("flag", ["--num_threads=4", "--rpc_channel_timeout_ms=5", "--enable_disagg_pd=true"])
 def test_flags_without_an_equivalent_fail_fast(cli, long_model, flag):
     r = cli("serve", "--model", str(long_model), flag)
     assert r.rc == 2 and flag in r.err and "Traceback" not in r.err
