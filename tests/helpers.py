@@ -14,6 +14,7 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),  # windows: test_family_variants
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    "glm": ("GlmConfig", "GlmForCausalLM", {"pad_token_id": 0, "head_dim": 16}),
     "glm4": ("Glm4Config", "Glm4ForCausalLM", {"pad_token_id": 0, "head_dim": 16}),
 }
 VARIANT_FAMILIES = {  # sliding-window families: tests/models/test_family_variants.py, not the example attention

@@ -10,6 +10,7 @@ CORE_BACKEND = Backend(
         "Qwen2ForCausalLM": "heterollm.model_executor.models.llama:Qwen2ForCausalLM",
         "Qwen3ForCausalLM": "heterollm.model_executor.models.llama:Qwen3ForCausalLM",
         "Phi3ForCausalLM": "heterollm.model_executor.models.phi3:Phi3ForCausalLM",
+        "GlmForCausalLM": "heterollm.model_executor.models.glm4:GlmForCausalLM",
         "Glm4ForCausalLM": "heterollm.model_executor.models.glm4:Glm4ForCausalLM",
         "Gemma2ForCausalLM": "heterollm.model_executor.models.gemma3:Gemma2ForCausalLM",
         "Gemma3ForCausalLM": "heterollm.model_executor.models.gemma3:Gemma3ForCausalLM",

@@ -1,8 +1,8 @@
-"""GLM-4 (Glm4ForCausalLM, GLM-4-0414): the Llama decoder plus a norm after attention and after the
-MLP, q/k/v bias without o_proj bias, gate/up fused in the checkpoint, and a rotary embedding over
-half of each head in GLM's interleaved layout. The interleaved pairs (2i, 2i+1) become the shared
-decoder's (i, i + rot/2) by reordering q and k rows at load time: q.k products, and so attention,
-are unchanged."""
+"""GLM-4 (GlmForCausalLM: GLM-4-9B's Hugging Face conversion; Glm4ForCausalLM: GLM-4-0414, which
+adds a norm after attention and after the MLP): the Llama decoder with q/k/v bias without o_proj
+bias, gate/up fused in the checkpoint, and a rotary embedding over half of each head in GLM's
+interleaved layout. The interleaved pairs (2i, 2i+1) become the shared decoder's (i, i + rot/2) by
+reordering q and k rows at load time: q.k products, and so attention, are unchanged."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
@@ -26,9 +26,7 @@ class Glm4DecoderLayer(DecoderLayer):
         return x + self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(x)))
 
 
-class Glm4ForCausalLM(LlamaForCausalLM):
-    layer_class = Glm4DecoderLayer
-
+class GlmForCausalLM(LlamaForCausalLM):
     def biases(self, hf_config: Any) -> tuple[bool, bool]:
         return bool(getattr(hf_config, "attention_bias", True)), False
 
@@ -45,3 +43,7 @@ class Glm4ForCausalLM(LlamaForCausalLM):
             if name.rpartition(".")[0].endswith(("q_proj", "k_proj")):
                 tensor = tensor.reshape(-1, d, *tensor.shape[1:])[:, order].reshape(tensor.shape)
             yield name, tensor
+
+
+class Glm4ForCausalLM(GlmForCausalLM):
+    layer_class = Glm4DecoderLayer
