@@ -46,8 +46,8 @@ def locate(repo_id: str, revision: str | None) -> Path:
     fill = f"huggingface-cli download {repo_id}" + (f" --revision {revision}" if revision else "")
     where = f"the Hugging Face cache {constants.HF_HUB_CACHE}"
     if constants.is_offline_mode():
-        raise ConfigError(f"--model: {repo_id!r}{at} is not in {where} and HF_HUB_OFFLINE is set; fill the "
-                          f"cache with `{fill}` or give a local folder")
+        raise ConfigError(f"--model: {repo_id!r} is not a local path, and as a Hugging Face id{at} it is not in "
+                          f"{where} (HF_HUB_OFFLINE is set); fill the cache with `{fill}` or give a local folder")
     logger.info("downloading %s%s into %s", repo_id, at, constants.HF_HUB_CACHE)
     try:
         # huggingface_hub's client has no timeout of its own: one call with a timeout first keeps an
@@ -58,6 +58,6 @@ def locate(repo_id: str, revision: str | None) -> Path:
                                       etag_timeout=CONNECT_TIMEOUT_S))
     except Exception as exc:  # offline, unreachable, unknown repo or revision, gated: all one line
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise ConfigError(f"--model: {repo_id!r}{at} is not in {where} and could not be downloaded "
-                          f"({type(exc).__name__}: {reason}); fill the cache with `{fill}` or give a local "
-                          f"folder") from None
+        raise ConfigError(f"--model: {repo_id!r} is not a local path, and as a Hugging Face id{at} it is not in "
+                          f"{where} and could not be downloaded ({type(exc).__name__}: {reason}); fill the cache "
+                          f"with `{fill}` or give a local folder") from None
