@@ -33,7 +33,10 @@ def run(folder, **flags):
 @pytest.mark.parametrize("family,shape", [
     ("llama", {}), ("qwen2", {}), ("qwen3", {}),
     ("llama", {"num_key_value_heads": 1}),  # fewer KV heads than ranks: each rank holds a replica
-], ids=["llama", "qwen2", "qwen3", "llama-kv-replicated"])
+    ("phi3", {}), ("glm4", {}),  # fused checkpoint projections split before sharding; GLM's per-head q/k reorder
+    ("gemma2", {"sliding_window": 8, "head_dim": 16, "attn_logit_softcapping": 2.0}),
+    ("gemma3", {"sliding_window": 8, "sliding_window_pattern": 2, "head_dim": 16}),
+], ids=["llama", "qwen2", "qwen3", "llama-kv-replicated", "phi3", "glm4", "gemma2", "gemma3"])
 def test_tp2_equals_tp1(tmp_path, family, shape):
     folder = build_tiny_model(tmp_path / family, family, **shape)
     tokens1, lps1 = run(folder)
