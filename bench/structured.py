@@ -4,10 +4,11 @@ run, at batch 1, 16 and 64; and grammar compile time, first and cached.
     python bench/structured.py                          # SmolLM2-135M, batches 1,16,64
     python bench/structured.py --batches 1,4 --items 8  # a smoke test
 
-The schema is an array of exactly --items one-digit integers, written compactly
-(`disable_any_whitespace`): every constrained answer is the same length (2 x items + 1 tokens with
-SmolLM2's tokenizer, one per digit, comma and bracket), and the unconstrained row generates exactly
-that many tokens per request (EOS ignored), so both rows do the same steps on the same batch. The
+The schema is an array of exactly --items one-digit integers without optional whitespace
+(`disable_any_whitespace`: `[0, 1, ...]`): every constrained answer is the same length (3 x items +
+1 tokens with SmolLM2's tokenizer: each digit, comma and space, the brackets, EOS), and the
+unconstrained row generates exactly that many tokens per request (EOS ignored), so both rows do the
+same steps on the same batch. The
 constrained answers are checked to be valid against the schema. Compile time: the 20 schemas of
 tests/json_schemas.py, each compiled once (first) and again (a cache hit), on the engine's compiler
 thread, as a request sees it.
@@ -72,7 +73,7 @@ def main() -> None:
     first, cached = compile_times(llm)
     print(common.machine_line())
     print(f"command: {common.command_line()}")
-    print(f"model {args.model}, prompt {len(prompt)} tokens, schema: array of {args.items} digits (compact)\n")
+    print(f"model {args.model}, prompt {len(prompt)} tokens, schema: array of {args.items} digits, no optional whitespace\n")
     print("| batch | unconstrained tok/s | JSON schema tok/s | schema / unconstrained | tokens each |")
     print("|---|---|---|---|---|")
     rows = []
