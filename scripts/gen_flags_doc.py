@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from doc_file import write_or_check
 from heterollm.config.base import flag_aliases, flag_choices
 from heterollm.config.cache import KV_EVENTS_REFUSED, KVEventsConfig
 from heterollm.config.schema import CORE_GROUPS, current_schema
@@ -122,15 +123,7 @@ def _kv_events_fields() -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    text = render()
-    if "--check" in argv:
-        if not TARGET.exists() or TARGET.read_text(encoding="utf-8") != text:
-            print(f"{TARGET} is stale: run `python scripts/gen_flags_doc.py`", file=sys.stderr)
-            return 1
-        return 0
-    TARGET.write_text(text, encoding="utf-8")
-    print(f"wrote {TARGET}")
-    return 0
+    return write_or_check(TARGET, render(), argv, "python scripts/gen_flags_doc.py")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+from doc_file import write_or_check
 from heterollm.entrypoints.openai.fields import IN_PROGRESS, REFUSED, ROUTES, works
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,15 +89,7 @@ def render() -> str:
 
 
 def main(argv: list[str]) -> int:
-    text = render()
-    if "--check" in argv:
-        if not TARGET.exists() or TARGET.read_text(encoding="utf-8") != text:
-            print(f"{TARGET.relative_to(ROOT)} is stale: run python scripts/gen_requests_doc.py", file=sys.stderr)
-            return 1
-        return 0
-    TARGET.write_text(text, encoding="utf-8")
-    print(f"wrote {TARGET.relative_to(ROOT)}")
-    return 0
+    return write_or_check(TARGET, render(), argv, "python scripts/gen_requests_doc.py")
 
 
 if __name__ == "__main__":
