@@ -6,7 +6,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from doc_file import write_or_check
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from doc_file import write_or_check  # noqa: E402  (scripts/, beside this file)
+
 from heterollm.config.base import flag_aliases, flag_choices
 from heterollm.config.cache import KV_EVENTS_REFUSED, KVEventsConfig
 from heterollm.config.schema import CORE_GROUPS, current_schema

@@ -11,7 +11,9 @@ import json
 import sys
 from pathlib import Path
 
-from doc_file import write_or_check
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from doc_file import write_or_check  # noqa: E402  (scripts/, beside this file)
+
 from heterollm.entrypoints.openai.fields import IN_PROGRESS, REFUSED, ROUTES, works
 
 ROOT = Path(__file__).resolve().parent.parent
