@@ -179,3 +179,35 @@ def test_a_structural_tag_constrains_only_what_follows_its_trigger(manager, tag)
     grammar = manager.compile(StructuredOutputsParams(structural_tag=tag)).result()
     for text, ok in [("free text <num>12</num> more", True), ("no trigger at all", True), ("x <num>twelve", False)]:
         assert xgr.GrammarMatcher(grammar).accept_string(text) == ok, text
+
+
+def test_length_bounded_strings_become_patterns_everywhere_but_in_data():
+    from heterollm.sampling.structured import bounded_strings_as_patterns
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "string", "maxLength": 5},
+            "b": {"type": "string", "minLength": 2},
+            "c": {"type": "string", "minLength": 1, "maxLength": 3, "pattern": "^[a-z]+$"},
+            "d": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 4}},
+            "e": {"anyOf": [{"type": "string", "maxLength": 2}, {"type": "integer", "maxLength": 9}]},
+            "f": {"enum": [{"type": "string", "maxLength": 1}], "default": {"type": "string", "maxLength": 1}},
+            "g": {"const": {"type": "string", "minLength": 3}, "examples": [{"type": "string", "maxLength": 1}]},
+        },
+        "$defs": {"name": {"type": "string", "minLength": 3, "maxLength": 7}},
+    }
+    out = bounded_strings_as_patterns(schema)
+    props = out["properties"]
+    assert props["a"] == {"type": "string", "pattern": "^.{0,5}$"}
+    assert props["b"] == {"type": "string", "pattern": "^.{2,}$"}
+    assert props["c"] == schema["properties"]["c"]  # a pattern of its own: left as it is
+    assert props["d"]["items"] == {"type": "string", "pattern": "^.{1,4}$"}
+    assert props["e"]["anyOf"] == [{"type": "string", "pattern": "^.{0,2}$"}, {"type": "integer", "maxLength": 9}]
+    assert props["f"] == schema["properties"]["f"] and props["g"] == schema["properties"]["g"]  # data, not schema
+    assert out["$defs"]["name"] == {"type": "string", "pattern": "^.{3,7}$"}
+    assert schema["properties"]["a"] == {"type": "string", "maxLength": 5}  # the caller's schema is not changed
+    assert bounded_strings_as_patterns([{"type": "string", "maxLength": 1}, 3]) == [
+        {"type": "string", "pattern": "^.{0,1}$"}, 3]
+    import re
+    for pattern, ok, bad in [("^.{0,5}$", "abcde", "abcdef"), ("^.{2,}$", "ab", "a"), ("^.{3,7}$", "abc", "ab")]:
+        assert re.fullmatch(pattern, ok) and not re.fullmatch(pattern, bad)
