@@ -89,3 +89,19 @@ def test_which_params_count_as_penalties():
     assert not SamplingParams().has_penalties
     for kw in ({"repetition_penalty": 1.1}, {"presence_penalty": -0.5}, {"frequency_penalty": 0.1}):
         assert SamplingParams(**kw).has_penalties, kw
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"n": 3, "best_of": 2}, "best_of: must be an integer >= n, got 2"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias: must map non-negative integer token ids to finite numbers, got {-1: 1.0}"),
+    ({"logit_bias": {5: float("inf")}}, "logit_bias: must map non-negative integer token ids to finite numbers, "
+                                        "got {5: inf}"),
+    ({"allowed_token_ids": []}, "allowed_token_ids: must be a non-empty list of non-negative integers, got []"),
+    ({"bad_words": [" "]}, "bad_words: must be a list of strings that are not blank, got [' ']"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens: must be -1 (max_model_len) or an integer >= 1, got 0"),
+])
+def test_the_sampling_surface_fields_say_what_is_wrong(kwargs, message):
+    """The whole message (the field, the rule, the value), as the HTTP 400 and the CLI print it."""
+    with pytest.raises(SamplingParamsError) as info:
+        SamplingParams(**kwargs)
+    assert str(info.value) == message and info.value.field == message.split(":")[0]
