@@ -95,3 +95,10 @@ def fake_dists(tmp_path, monkeypatch):
     yield add
     for name in [m for m in sys.modules if m.startswith("fakeplug")]:
         del sys.modules[name]
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A tiny random llama (tests/helpers.py), built once per test run for the tests that share it."""
+    from helpers import build_tiny_model
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")

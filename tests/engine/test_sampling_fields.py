@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import build_tiny_model, hf_generate, hf_logprobs
+from helpers import hf_generate, hf_logprobs
 from heterollm import LLM, SamplingParams
 from heterollm.scheduler.request import RequestRejected
 
@@ -14,20 +14,15 @@ MAX = 12
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
-
-
-@pytest.fixture(scope="module")
-def llm(folder):
-    llm = LLM(str(folder), dtype="float32", block_size=8, num_gpu_blocks_override=128, max_model_len=64)
+def llm(tiny_llama):
+    llm = LLM(str(tiny_llama), dtype="float32", block_size=8, num_gpu_blocks_override=128, max_model_len=64)
     yield llm
     llm.shutdown()
 
 
 @pytest.fixture(scope="module")
-def greedy(folder):
-    return hf_generate(folder, PROMPT, MAX, eos_token_id=None, min_new_tokens=MAX)
+def greedy(tiny_llama):
+    return hf_generate(tiny_llama, PROMPT, MAX, eos_token_id=None, min_new_tokens=MAX)
 
 
 def run(llm, prompt=PROMPT, **kwargs):
@@ -36,21 +31,21 @@ def run(llm, prompt=PROMPT, **kwargs):
     return out
 
 
-def test_logit_bias_matches_transformers_sequence_bias(llm, folder, greedy):
+def test_logit_bias_matches_transformers_sequence_bias(llm, tiny_llama, greedy):
     bias = {greedy[2]: -30.0, 1234: 4.5}
-    want = hf_generate(folder, PROMPT, MAX, eos_token_id=None, min_new_tokens=MAX,
+    want = hf_generate(tiny_llama, PROMPT, MAX, eos_token_id=None, min_new_tokens=MAX,
                        sequence_bias={(t,): b for t, b in bias.items()})
     assert want != greedy  # the bias changes the run
     out = run(llm, logit_bias=bias, logprobs=0)
     assert out.outputs[0].token_ids == want
     # logprobs stay the model's own: the first token's is transformers' unbiased log-softmax
-    ref = hf_logprobs(folder, PROMPT)[-1].double()
+    ref = hf_logprobs(tiny_llama, PROMPT)[-1].double()
     assert out.outputs[0].logprobs[0].logprob == pytest.approx(ref[want[0]].item(), abs=1e-4)
 
 
-def test_allowed_token_ids_match_transformers_prefix_allowed_tokens(llm, folder, greedy):
+def test_allowed_token_ids_match_transformers_prefix_allowed_tokens(llm, tiny_llama, greedy):
     allowed = [greedy[0], 100, 200, 300, 7000]
-    want = hf_generate(folder, PROMPT, MAX, eos_token_id=None, min_new_tokens=MAX,
+    want = hf_generate(tiny_llama, PROMPT, MAX, eos_token_id=None, min_new_tokens=MAX,
                        prefix_allowed_tokens_fn=lambda _batch, _ids: allowed)
     assert set(want) <= set(allowed) and want != greedy
     assert run(llm, allowed_token_ids=allowed).outputs[0].token_ids == want
@@ -64,23 +59,23 @@ def vllm_bad_word_ids(tok, word: str) -> list[list[int]]:
     return [plain] + ([spaced] if spaced[0] != plain[0] and len(spaced) == len(plain) else [])
 
 
-def test_a_one_token_bad_word_matches_transformers_bad_words_ids(llm, folder):
+def test_a_one_token_bad_word_matches_transformers_bad_words_ids(llm, tiny_llama):
     tok = llm.get_tokenizer()
     ids = vllm_bad_word_ids(tok, "hello")
     spaced = tok.encode(" hello", add_special_tokens=False)
     assert len(ids) == 2 and ids[1] == spaced and len(spaced) == 1  # "hello" and " hello": one token each
     bias = {spaced[0]: 6.0}  # makes " hello" (mid-text) likely
-    biased = hf_generate(folder, PROMPT, MAX, eos_token_id=None, min_new_tokens=MAX,
+    biased = hf_generate(tiny_llama, PROMPT, MAX, eos_token_id=None, min_new_tokens=MAX,
                          sequence_bias={(t,): b for t, b in bias.items()})
     assert spaced[0] in biased
-    want = hf_generate(folder, PROMPT, MAX, eos_token_id=None, min_new_tokens=MAX, bad_words_ids=ids,
+    want = hf_generate(tiny_llama, PROMPT, MAX, eos_token_id=None, min_new_tokens=MAX, bad_words_ids=ids,
                        sequence_bias={(t,): b for t, b in bias.items()})
     assert not {w[0] for w in ids} & set(want)
     assert run(llm, bad_words=["hello"], logit_bias=bias).outputs[0].token_ids == want
     assert run(llm, bad_words=["  hello"], logit_bias=bias).outputs[0].token_ids == want  # leading spaces stripped
 
 
-def test_a_multi_token_bad_word_is_banned_only_after_its_prefix(llm, folder, greedy):
+def test_a_multi_token_bad_word_is_banned_only_after_its_prefix(llm, tiny_llama, greedy):
     tok = llm.get_tokenizer()
     for i in range(1, MAX - 1):  # two generated tokens that spell a word which tokenizes back to them
         word = tok.decode(greedy[i:i + 2])
@@ -89,14 +84,14 @@ def test_a_multi_token_bad_word_is_banned_only_after_its_prefix(llm, folder, gre
     else:
         pytest.skip("no two-token word in this run")
     ids = vllm_bad_word_ids(tok, word)
-    want = hf_generate(folder, PROMPT, MAX, eos_token_id=None, min_new_tokens=MAX, bad_words_ids=ids)
+    want = hf_generate(tiny_llama, PROMPT, MAX, eos_token_id=None, min_new_tokens=MAX, bad_words_ids=ids)
     assert want[:i + 1] == greedy[:i + 1] and want[i + 1] != greedy[i + 1]  # the prefix stays; the end is banned
     assert run(llm, bad_words=[word]).outputs[0].token_ids == want
 
 
-def test_min_tokens_masks_eos_that_a_bias_made_the_argmax(llm, folder):
+def test_min_tokens_masks_eos_that_a_bias_made_the_argmax(llm, tiny_llama):
     eos = llm.get_tokenizer().eos_token_id
-    want = hf_generate(folder, PROMPT, MAX, eos_token_id=eos, min_new_tokens=5, sequence_bias={(eos,): 50.0})
+    want = hf_generate(tiny_llama, PROMPT, MAX, eos_token_id=eos, min_new_tokens=5, sequence_bias={(eos,): 50.0})
     assert len(want) == 6 and want[-1] == eos and eos not in want[:5]  # exactly min_tokens, then EOS
     out = run(llm, ignore_eos=False, min_tokens=5, logit_bias={eos: 50.0})
     assert out.outputs[0].token_ids == want and out.outputs[0].finish_reason == "stop"
@@ -104,23 +99,23 @@ def test_min_tokens_masks_eos_that_a_bias_made_the_argmax(llm, folder):
     assert run(llm, ignore_eos=True, min_tokens=5, logit_bias={eos: 50.0}).outputs[0].token_ids == [eos] * MAX
 
 
-def test_truncate_prompt_tokens_keeps_the_last_tokens(llm, folder):
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm, tiny_llama):
     long = list(range(100, 140))
     out = run(llm, prompt=long, truncate_prompt_tokens=6)
     assert out.prompt_token_ids == long[-6:]
-    assert out.outputs[0].token_ids == hf_generate(folder, long[-6:], MAX, eos_token_id=None, min_new_tokens=MAX)
+    assert out.outputs[0].token_ids == hf_generate(tiny_llama, long[-6:], MAX, eos_token_id=None, min_new_tokens=MAX)
     assert run(llm, prompt=long, truncate_prompt_tokens=-1).prompt_token_ids == long  # -1: max_model_len (64)
     assert run(llm, prompt=long[:3], truncate_prompt_tokens=6).prompt_token_ids == long[:3]
 
 
-def test_best_of_returns_the_n_sequences_with_the_highest_cumulative_logprob(llm, folder):
+def test_best_of_returns_the_n_sequences_with_the_highest_cumulative_logprob(llm, tiny_llama):
     kwargs = {"temperature": 1.0, "seed": 11, "max_tokens": 6}
     # sequence i samples with seed + i: these are the 4 candidates best_of=4 draws
     [every] = llm.generate([PROMPT], SamplingParams(n=4, **kwargs, ignore_eos=True))
     seqs = [c.token_ids for c in every.outputs]
 
     def cumulative(seq):  # float64, from transformers' log-softmax at each generated position
-        lps = hf_logprobs(folder, PROMPT + seq).double()
+        lps = hf_logprobs(tiny_llama, PROMPT + seq).double()
         return sum(lps[len(PROMPT) - 1 + j, t].item() for j, t in enumerate(seq))
 
     scores = [cumulative(s) for s in seqs]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import build_tiny_model, hf_generate
+from helpers import hf_generate
 from heterollm import LLM, SamplingParams
 
 PROMPTS = [[5, 6, 7, 8], [300, 301, 302], [1000, 20, 4000, 50, 6000]]
@@ -14,13 +14,8 @@ MAX = 24
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
-
-
-@pytest.fixture(scope="module")
-def llm(folder):
-    llm = LLM(str(folder), dtype="float32", block_size=8, num_gpu_blocks_override=128, max_model_len=128)
+def llm(tiny_llama):
+    llm = LLM(str(tiny_llama), dtype="float32", block_size=8, num_gpu_blocks_override=128, max_model_len=128)
     yield llm
     llm.shutdown()
 
@@ -59,11 +54,11 @@ def test_the_stop_string_that_completes_first_wins_wherever_it_is_listed(llm, un
 
 @pytest.mark.parametrize("min_tokens", [0, 3, 8, MAX])
 @pytest.mark.parametrize("k", range(len(PROMPTS)))
-def test_min_tokens_masks_stop_tokens(llm, folder, unstopped, k, min_tokens):
+def test_min_tokens_masks_stop_tokens(llm, tiny_llama, unstopped, k, min_tokens):
     _, tokens = unstopped[k]
     stop = tokens[1]
     # transformers masks its eos_token_id until min_new_tokens are out, as vLLM masks stop tokens
-    want = hf_generate(folder, PROMPTS[k], MAX, min_new_tokens=min_tokens, eos_token_id=stop)
+    want = hf_generate(tiny_llama, PROMPTS[k], MAX, min_new_tokens=min_tokens, eos_token_id=stop)
     assert stop not in want[:min_tokens]
     [out] = llm.generate([PROMPTS[k]], SamplingParams(max_tokens=MAX, temperature=0, ignore_eos=True,
                                                       stop_token_ids=[stop], min_tokens=min_tokens))

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import pytest
 
-from helpers import build_tiny_model
 from heterollm.config import load_config
 from heterollm.engine.llm_engine import LLMEngine
 from heterollm.entrypoints.openai.server import OpenAIServer, ServerSettings
@@ -61,11 +60,6 @@ def serving(engine: LLMEngine, **settings) -> Iterator[Running]:
 def make_engine(folder, **flags) -> LLMEngine:
     flags = {"dtype": "float32", "block_size": 8, "num_gpu_blocks_override": 512, "max_model_len": 256, **flags}
     return LLMEngine(load_config([], overrides={"model": str(folder), **flags}).config)
-
-
-@pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("server-llama"), "llama")
 
 
 @pytest.fixture(scope="module")
