@@ -1,0 +1,523 @@
+"""The scheduler's steps one function at a time, with fake runner outputs: the batch `_build` hands
+the executor, `update` and `resolve` (overlap), prompt logprobs across a preemption, preemption
+inside a step, prefix-cache adoption during a chunked prefill (`_rematch`), in-batch commits,
+priority preemption of running requests for the waiting head, and latency-aware holding. Every
+expected batch is worked out by hand in the comments (block size 4; a fresh block pool hands out
+blocks 0, 1, 2, ... in order, and a freed block is reused first). Written against the survivors of
+the scheduler/ mutation run (tests/MUTATION.md)."""
+from __future__ import annotations
+
+import logging
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from heterollm.config import load_config
+from heterollm.interfaces import RunnerOutput, SchedulerOutput
+from heterollm.kv_cache import KVCacheManager
+from heterollm.sampling import SamplingParams
+from heterollm.scheduler import Scheduler
+from heterollm.scheduler.latency import LatencyTargets, StepTimeModel
+from heterollm.scheduler.policy import SchedulingPolicy
+from heterollm.scheduler.request import Request, RequestRejected, RequestStatus
+
+
+class Clock:
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(num_blocks: int = 64, prefix: bool = False, in_batch: bool = False, max_model_len: int = 256,
+         latency: LatencyTargets | None = None, clock: Clock | None = None, **flags) -> Scheduler:
+    cfg = load_config([], overrides=flags).config
+    return Scheduler(cfg.scheduler, KVCacheManager(num_blocks, 4, enable_prefix_cache=prefix), max_model_len,
+                     in_batch_prefix_cache=in_batch, policy=SchedulingPolicy(cfg.scheduler), clock=clock or Clock(),
+                     latency=latency)
+
+
+def req(rid: str, n: int, max_tokens: int | None = 100, prompt_logprobs: int | None = None,
+        arrival_time: float = 0.0, **kw) -> Request:
+    """A request of prompt 1..n arriving at 0 (the fake clock's start)."""
+    return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens, prompt_logprobs=prompt_logprobs),
+                   arrival_time=arrival_time, **kw)
+
+
+def put_running(s: Scheduler, r: Request, computed: int, output: tuple[int, ...] = ()) -> Request:
+    """A request already running, `computed` tokens in the cache (its blocks allocated now)."""
+    r.output_token_ids = list(output)
+    r.num_computed_tokens = computed
+    r.num_cached_tokens = 0
+    r.status = RequestStatus.RUNNING
+    assert s.kv.allocate(r.request_id, computed) is not None
+    s.requests[r.request_id] = r
+    s.running.append(r)
+    return r
+
+
+def outputs(so: SchedulerOutput, token: int, tag: str = "") -> RunnerOutput:
+    """What a runner returns: `token` for each sampled request, and for a request that wants prompt
+    logprobs a marker per prompt position start+1 .. min(end, prompt length - 1) (runner.py)."""
+    plps = []
+    for it in so.requests:
+        last = min(it.num_computed_tokens + len(it.new_token_ids), len(it.prompt_token_ids) - 1)
+        plps.append([f"{tag}p{j}" for j in range(it.num_computed_tokens + 1, last + 1)]
+                    if it.want_prompt_logprobs else None)
+    return RunnerOutput([it.request_id for it in so.requests], [[token] if it.sample else [] for it in so.requests],
+                        [None] * len(so.requests), plps)
+
+
+def shape(so: SchedulerOutput) -> dict[str, tuple[int, int]]:
+    """request id -> (first position computed, tokens computed) of one step."""
+    return {it.request_id: (it.num_computed_tokens, len(it.new_token_ids)) for it in so.requests}
+
+
+def starts(so: SchedulerOutput) -> dict[str, int]:
+    """request id -> first position computed (for steps whose input tokens are still pending)."""
+    return {it.request_id: it.num_computed_tokens for it in so.requests}
+
+
+def step(s: Scheduler, token: int = 7, tag: str = "") -> dict[str, tuple[int, int]]:
+    so = s.schedule()
+    s.update(so, outputs(so, token, tag))
+    return shape(so)
+
+
+# -- the batch ---------------------------------------------------------------------------------------
+def test_the_batch_carries_each_requests_tokens_blocks_and_whether_it_samples():
+    s = make(max_tokens_per_batch=12, max_tokens_per_chunk_for_prefill=8)
+    a, b = req("a", 10), req("b", 6)
+    s.add(a), s.add(b)
+    so = s.schedule()  # a: a chunk of 8 (2 blocks); b: the 4 tokens left of the budget (1 block)
+    ia, ib = so.requests
+    assert (ia.request_id, ia.new_token_ids, ia.num_computed_tokens, ia.block_ids, ia.sample) == \
+        ("a", [1, 2, 3, 4, 5, 6, 7, 8], 0, [0, 1], False)
+    assert (ib.request_id, ib.new_token_ids, ib.num_computed_tokens, ib.block_ids, ib.sample) == \
+        ("b", [1, 2, 3, 4], 0, [2], False)
+    assert ia.sampling is a.sampling_info and ia.prompt_token_ids is a.prompt_token_ids
+    assert ia.output_token_ids is a.output_token_ids and ia.pooling is None and not ia.want_prompt_logprobs
+    assert (a.num_computed_tokens, b.num_computed_tokens, a.num_pending, b.num_pending) == (8, 4, 0, 0)
+    assert so.finished_request_ids == [] and so.num_tokens == 12
+    s.update(so, outputs(so, 7))
+    s.add(req("c", 3))
+    s.finish("c", "abort")
+    so = s.schedule()  # both finish their prompts and sample: a needs a 3rd block, b a 2nd
+    ia, ib = so.requests
+    assert (ia.new_token_ids, ia.num_computed_tokens, ia.block_ids, ia.sample) == ([9, 10], 8, [0, 1, 3], True)
+    assert (ib.new_token_ids, ib.num_computed_tokens, ib.block_ids, ib.sample) == ([5, 6], 4, [2, 4], True)
+    assert (a.num_pending, b.num_pending) == (1, 1)
+    assert so.finished_request_ids == ["c"]
+    assert s.update(so, outputs(so, 9)) == [(a, [9]), (b, [9])]
+    assert (a.num_pending, a.output_token_ids) == (0, [9])
+    so = s.schedule()
+    assert so.finished_request_ids == [] and shape(so) == {"a": (10, 1), "b": (6, 1)}
+
+
+def test_overlap_schedules_on_a_pending_token_and_resolve_fills_it_in():
+    s = make()
+    a = req("a", 3, max_tokens=5)
+    s.add(a)
+    first = s.schedule()  # the prompt; its token is pending
+    assert (a.num_computed_tokens, a.num_pending) == (3, 1)
+    second = s.schedule()  # scheduled before the first ran: its input is that pending token
+    (item,) = second.requests
+    assert (item.num_computed_tokens, item.new_token_ids, item.sample) == (3, [], True)
+    assert (a.num_computed_tokens, a.num_pending) == (4, 2)
+    assert s.update(first, RunnerOutput(["a"], [[11]], [None], [None])) == [(a, [11])]
+    assert a.num_pending == 1
+    s.resolve()
+    assert item.new_token_ids == [11]
+    s.resolve()  # nothing left to fill in
+    assert item.new_token_ids == [11]
+    s.update(second, RunnerOutput(["a"], [[12]], [None], [None]))
+    assert (a.output_token_ids, a.num_pending) == ([11, 12], 0)
+    assert shape(s.schedule()) == {"a": (4, 1)}
+
+
+def test_a_request_whose_last_token_is_in_flight_is_not_scheduled_again():
+    s = make()
+    short, long = req("short", 3, max_tokens=2), req("long", 3, max_tokens=5)
+    s.add(short), s.add(long)
+    s.schedule(), s.schedule()  # prompts, then one decode each: two tokens pending each
+    # short's 2 pending tokens are all it may have; long goes on (the one behind it), on its pending
+    # 2nd token (position 4), not yet known
+    assert starts(s.schedule()) == {"long": 4}
+
+
+def test_a_request_at_the_context_length_with_its_last_token_in_flight_waits():
+    s = make(max_model_len=6)
+    a = req("a", 4, max_tokens=None)
+    s.add(a)
+    s.schedule()  # 4 + 1 pending
+    assert starts(s.schedule()) == {"a": 4}  # 4 + 2 pending = 6 = max_model_len
+    assert starts(s.schedule()) == {}
+
+
+def test_update_skips_a_request_finished_while_its_step_ran():
+    s = make()
+    a, b = req("a", 3), req("b", 3)
+    s.add(a), s.add(b)
+    so = s.schedule()
+    s.finish("a", "abort")
+    assert s.update(so, outputs(so, 5)) == [(b, [5])]
+    assert (a.output_token_ids, b.output_token_ids, b.num_pending) == ([], [5], 0)
+
+
+def test_update_keeps_logprobs_and_pooled_outputs_in_batch_order():
+    s = make()
+    gen = req("gen", 3)
+    pool = req("pool", 4, pooling=SimpleNamespace(needs_every_position=False))
+    s.add(gen), s.add(pool)
+    so = s.schedule()
+    assert so.requests[1].pooling is pool.pooling
+    result = RunnerOutput(["gen", "pool"], [[5], []], [["lp5"], None], [None, None], pooled=[None, "vector"])
+    assert s.update(so, result) == [(gen, [5]), (pool, [])]
+    assert gen.logprobs == ["lp5"] and gen.pooled is None and pool.pooled == "vector"
+    assert pool.output_token_ids == [] and pool.num_pending == 0
+    so = s.schedule()
+    assert s.update(so, RunnerOutput(["gen"], [[6]], [None], [None])) == [(gen, [6])]  # no logprobs asked
+    assert gen.logprobs == ["lp5"] and gen.output_token_ids == [5, 6]
+
+
+def test_a_pooling_prompt_may_fill_the_context_a_generation_prompt_may_not():
+    s = make(max_model_len=8)
+    s.add(req("pool", 8, pooling=SimpleNamespace(needs_every_position=False)))  # samples no token after it
+    with pytest.raises(RequestRejected, match="has 9 tokens"):
+        s.add(req("pool9", 9, pooling=SimpleNamespace(needs_every_position=False)))
+    with pytest.raises(RequestRejected, match="has 8 tokens"):
+        s.add(req("gen", 8))
+
+
+# -- prompt logprobs ---------------------------------------------------------------------------------
+def test_prompt_logprobs_are_asked_for_once_per_position_across_a_preemption():
+    # 3 blocks; budget 5, chunks of 4. x (4 tokens) and b (10 tokens, prompt logprobs).
+    s = make(num_blocks=3, max_tokens_per_batch=5, max_tokens_per_chunk_for_prefill=4)
+    x, b = req("x", 4), req("b", 10, prompt_logprobs=0)
+    s.add(x), s.add(b)
+    so = s.schedule()  # x: 4 tokens (block 0); b: the 1 token left (block 1), which yields position 1
+    assert shape(so) == {"x": (0, 4), "b": (0, 1)} and so.requests[1].want_prompt_logprobs
+    s.update(so, outputs(so, 7, "s1"))
+    assert b.prompt_logprobs == [None, "s1p1"]
+    # x decodes into block 2, the last; b's next chunk needs a second block: no one to take it from,
+    # so b yields itself and is admitted again from 0: positions 1-4 computed, 2-4 new
+    so = s.schedule()
+    assert shape(so) == {"x": (4, 1), "b": (0, 4)} and so.requests[1].want_prompt_logprobs
+    assert b.num_preemptions == 1 and so.requests[0].block_ids == [0, 2] and so.requests[1].block_ids == [1]
+    s.update(so, outputs(so, 7, "s2"))
+    assert b.prompt_logprobs == [None, "s1p1", "s2p2", "s2p3", "s2p4"]
+    # again: b's chunk 4-8 needs a 2nd block, x holds the other two: b yields and recomputes 0-4,
+    # whose positions it has: no prompt logprobs asked for
+    so = s.schedule()
+    assert shape(so) == {"x": (5, 1), "b": (0, 4)} and not so.requests[1].want_prompt_logprobs
+    assert (b.num_preemptions, s.num_preemptions) == (2, 2)
+    s.update(so, outputs(so, 7, "s2b"))
+    assert b.prompt_logprobs == [None, "s1p1", "s2p2", "s2p3", "s2p4"]
+    s.finish("x", "stop")
+    assert step(s, tag="s3") == {"b": (4, 4)}
+    assert step(s, tag="s4") == {"b": (8, 2)}  # position 9 is the prompt's last
+    assert b.prompt_logprobs == [None, "s1p1", "s2p2", "s2p3", "s2p4", "s3p5", "s3p6", "s3p7", "s3p8", "s4p9"]
+    so = s.schedule()
+    assert shape(so) == {"b": (10, 1)} and not so.requests[0].want_prompt_logprobs  # a decode
+
+
+def test_a_recomputed_chunk_whose_positions_are_all_known_asks_for_none():
+    # b (10 tokens, prompt logprobs) gets two chunks of 4, then is preempted (white-box): recomputing
+    # positions 1-4 adds nothing; the chunk 4-8 ends exactly where the known ones end (8): nothing new
+    s = make(max_tokens_per_chunk_for_prefill=4)
+    b = req("b", 10, prompt_logprobs=0)
+    s.add(b)
+    step(s, tag="a"), step(s, tag="b")
+    assert b.prompt_logprobs == [None, "ap1", "ap2", "ap3", "ap4", "bp5", "bp6", "bp7", "bp8"]
+    s._preempt(b)
+    so = s.schedule()
+    assert shape(so) == {"b": (0, 4)} and not so.requests[0].want_prompt_logprobs
+    s.update(so, outputs(so, 7))
+    so = s.schedule()
+    assert shape(so) == {"b": (4, 4)} and not so.requests[0].want_prompt_logprobs
+    s.update(so, outputs(so, 7))
+    so = s.schedule()
+    assert shape(so) == {"b": (8, 2)} and so.requests[0].want_prompt_logprobs
+    s.update(so, outputs(so, 7, "c"))
+    assert b.prompt_logprobs[-2:] == ["bp8", "cp9"] and len(b.prompt_logprobs) == 10
+
+
+# -- running requests --------------------------------------------------------------------------------
+def test_decodes_go_before_a_running_prefill_and_the_budget_ends_the_step():
+    s = make(max_tokens_per_batch=3)
+    p = put_running(s, req("p", 20), 4)  # prefilling, admitted first
+    d = put_running(s, req("d", 3), 3, (7,))  # decoding
+    assert shape(s.schedule()) == {"d": (3, 1), "p": (4, 2)}
+    assert (p.num_computed_tokens, d.num_computed_tokens) == (6, 4)
+
+
+def test_without_mixed_batches_a_running_prefill_goes_alone_before_decodes():
+    s = make(max_tokens_per_batch=3, enable_mix_batch=False)
+    put_running(s, req("d", 3), 3, (7,))
+    put_running(s, req("p", 20), 4)
+    assert shape(s.schedule()) == {"p": (4, 3)}
+
+
+def test_the_step_ends_when_budget_or_sequence_slots_run_out():
+    s = make(max_tokens_per_batch=2)
+    for rid in "abc":
+        put_running(s, req(rid, 3), 3, (7,))
+    assert shape(s.schedule()) == {"a": (3, 1), "b": (3, 1)}
+    s = make(max_seqs_per_batch=2)
+    for rid in "abc":
+        put_running(s, req(rid, 3), 3, (7,))
+    assert shape(s.schedule()) == {"a": (3, 1), "b": (3, 1)}
+
+
+def test_without_chunked_prefill_decodes_still_run():
+    s = make(enable_chunked_prefill=False, max_tokens_per_batch=8)
+    s.add(req("a", 8))
+    assert step(s) == {"a": (0, 8)}
+    assert step(s) == {"a": (8, 1)}
+
+
+def test_a_decode_that_needs_a_block_preempts_the_newest_and_the_rest_of_the_step_goes_on(caplog):
+    # 4 blocks, all held: a (decoding at position 4: needs a 2nd block) [0], p (prefilling) [1],
+    # v (decoding, admitted last) [2, 3]. Decodes first: a preempts v (the newest not yet scheduled)
+    # and takes block 2; v is skipped; p's chunk of 2 fits its block; v, back in the queue, is
+    # admitted again with a first chunk of 2 in block 3.
+    s = make(num_blocks=4, max_tokens_per_chunk_for_prefill=2)
+    a = put_running(s, req("a", 4), 4, (7,))
+    p = put_running(s, req("p", 40), 2)
+    v = put_running(s, req("v", 8), 8, (7,))
+    with caplog.at_level(logging.DEBUG, logger="heterollm.scheduler"):
+        so = s.schedule()
+    assert [r.getMessage() for r in caplog.records] == ["preempted v (recompute)"]
+    assert shape(so) == {"a": (4, 1), "p": (2, 2), "v": (0, 2)}
+    assert [it.block_ids for it in so.requests] == [[0, 2], [1], [3]]
+    assert (a.num_preemptions, p.num_preemptions, v.num_preemptions, s.num_preemptions) == (0, 0, 1, 1)
+    assert so.requests[0].new_token_ids == [7] and so.requests[2].new_token_ids == [1, 2]
+
+
+def test_a_request_with_no_one_to_take_blocks_from_yields_itself():
+    s = make(num_blocks=1)
+    a = put_running(s, req("a", 4), 4, (7,))  # its decode needs a 2nd block; there is none
+    assert shape(s.schedule()) == {}
+    assert list(s.waiting) == [a] and s.running == [] and a.status is RequestStatus.PREEMPTED
+    assert (a.num_preemptions, a.num_computed_tokens, s.kv.num_free_blocks) == (1, 0, 1)
+
+
+# -- prefix cache ------------------------------------------------------------------------------------
+def test_blocks_a_step_computed_are_found_by_a_later_request():
+    s = make(prefix=True)
+    s.add(req("a", 9))
+    assert step(s) == {"a": (0, 9)}  # blocks of tokens 1-4 and 5-8 are now cached
+    b = req("b", 9)
+    s.add(b)
+    assert step(s) == {"a": (9, 1), "b": (8, 1)}
+    assert (b.num_cached_tokens, s.kv.hits, s.kv.queries) == (8, 8, 18)
+
+
+def test_in_batch_prefix_cache_shares_blocks_within_the_step():
+    for in_batch, b_start in ((True, 8), (False, 0)):
+        s = make(prefix=True, in_batch=in_batch)
+        s.add(req("a", 9)), s.add(req("b", 9))
+        so = s.schedule()
+        assert shape(so) == {"a": (0, 9), "b": (b_start, 9 - b_start)}
+        assert so.requests[1].block_ids == ([0, 1, 3] if in_batch else [3, 4, 5])
+
+
+def test_in_batch_commits_wait_for_a_pending_token():
+    # overlap: a's decode is scheduled before its first token is known; its block 3 (positions 8-11,
+    # the last one the pending token) is cached only once the token is in
+    s = make(prefix=True, in_batch=True)
+    s.add(req("a", 11))
+    first = s.schedule()
+    second = s.schedule()
+    s.update(first, RunnerOutput(["a"], [[50]], [None], [None]))
+    s.resolve()
+    s.update(second, RunnerOutput(["a"], [[51]], [None], [None]))
+    c = Request("c", list(range(1, 12)) + [50, 60, 61], SamplingParams(max_tokens=5))
+    s.add(c)
+    assert shape(s.schedule()) == {"a": (12, 1), "c": (12, 2)}
+
+
+def test_a_chunked_prefill_adopts_blocks_cached_since_its_admission():
+    # A and B share a 40-token prompt; budget 12, chunks of 8: A takes 8 a step, B the 4 left.
+    # --chunked_match_frequency 2: B looks again before its 2nd, 4th ... further chunk, and each time
+    # finds the 2 blocks A computed in the step before (A's blocks are cached when its step is done).
+    s = make(prefix=True, max_tokens_per_batch=12, max_tokens_per_chunk_for_prefill=8)
+    a, b = req("A", 40), req("B", 40)
+    s.add(a), s.add(b)
+    assert step(s) == {"A": (0, 8), "B": (0, 4)}
+    assert step(s) == {"A": (8, 8), "B": (4, 4)}
+    so = s.schedule()  # B adopts positions 8-15 (A's blocks 3 and 4)
+    assert shape(so) == {"A": (16, 8), "B": (16, 4)} and so.requests[1].block_ids == [2, 5, 3, 4, 8]
+    s.update(so, outputs(so, 7))
+    assert (b.num_cached_tokens, s.kv.hits) == (8, 8)
+    assert step(s) == {"A": (24, 8), "B": (20, 4)}
+    assert step(s) == {"A": (32, 8), "B": (32, 4)}  # positions 24-31 adopted
+    assert (b.num_cached_tokens, s.kv.hits, a.num_cached_tokens) == (16, 16, 0)
+
+
+def test_adoption_waits_for_a_block_boundary():
+    # B's chunks are 3 tokens: at its 2nd further chunk it is at 6, inside a block: nothing adopted
+    s = make(prefix=True, max_tokens_per_batch=11, max_tokens_per_chunk_for_prefill=8)
+    b = req("B", 40)
+    s.add(req("A", 40)), s.add(b)
+    # at its 4th further chunk, at 12 (a block boundary), it adopts A's blocks 3-7 (positions 12-31)
+    assert [step(s)["B"] for _ in range(5)] == [(0, 3), (3, 3), (6, 3), (9, 3), (32, 3)]
+    assert b.num_cached_tokens == 20
+
+
+def test_every_further_chunk_looks_with_frequency_one():
+    # B looks before each further chunk: at 4 it finds A's block 1 (positions 4-7), cached a step ago
+    s = make(prefix=True, max_tokens_per_batch=12, max_tokens_per_chunk_for_prefill=8, chunked_match_frequency=1)
+    b = req("B", 40)
+    s.add(req("A", 40)), s.add(b)
+    assert [step(s)["B"] for _ in range(3)] == [(0, 4), (8, 4), (16, 4)]
+    assert b.num_cached_tokens == 8
+
+
+def test_a_request_that_needs_every_position_adopts_nothing():
+    s = make(prefix=True, max_tokens_per_batch=12, max_tokens_per_chunk_for_prefill=8)
+    b = req("B", 40, prompt_logprobs=0)
+    s.add(req("A", 40)), s.add(b)
+    assert [step(s)["B"] for _ in range(5)] == [(0, 4), (4, 4), (8, 4), (12, 4), (16, 4)]
+    assert b.num_cached_tokens == 0
+
+
+# -- priority ----------------------------------------------------------------------------------------
+def test_the_priority_head_preempts_the_worst_running_request_for_a_slot():
+    s = make(priority_strategy="priority", max_seqs_per_batch=2)
+    x = put_running(s, req("x", 3, priority=5), 3, (7,))
+    y = put_running(s, req("y", 3, priority=3), 3, (7,))
+    s.add(req("head", 4, priority=0))
+    # both slots taken: x (the worst) yields one; the head, sorted back in front of x, is admitted
+    assert shape(s.schedule()) == {"y": (3, 1), "head": (0, 4)}
+    assert (x.num_preemptions, y.num_preemptions) == (1, 0) and list(s.waiting) == [x]
+
+
+def test_the_priority_head_preempts_only_as_many_as_its_blocks_need(caplog):
+    s = make(num_blocks=4, priority_strategy="priority")
+    x = put_running(s, req("x", 8, priority=5), 8, (7,))  # 2 blocks each, none free
+    y = put_running(s, req("y", 7, priority=3), 7, (7,))
+    s.add(req("head", 4, priority=0))  # 1 block: x's 2 are enough (x itself needs 3 to come back)
+    with caplog.at_level(logging.DEBUG, logger="heterollm.scheduler"):
+        assert shape(s.schedule()) == {"y": (7, 1), "head": (0, 4)}
+    assert (x.num_preemptions, y.num_preemptions) == (1, 0) and list(s.waiting) == [x]
+    assert [r.getMessage() for r in caplog.records] == ["preempting x (priority 5) for head (priority 0)",
+                                                        "preempted x (recompute)"]
+
+
+def test_the_priority_head_stays_in_front_when_no_worse_request_is_left():
+    # 3 blocks: z (priority 0) and x (priority 5) hold one each, both slots of 2 taken. head (priority
+    # 1, 12 tokens: 3 blocks) preempts x for the slot; still short of blocks and z is better: it stops,
+    # and stays ahead of x in the queue (x would fit, head does not: neither is admitted)
+    s = make(num_blocks=3, priority_strategy="priority", max_seqs_per_batch=2)
+    put_running(s, req("z", 3, priority=0), 3, (7,))
+    x = put_running(s, req("x", 3, priority=5), 3, (7,))
+    head = req("head", 12, priority=1)
+    s.add(head)
+    assert shape(s.schedule()) == {"z": (3, 1)}
+    assert list(s.waiting) == [head, x] and x.num_preemptions == 1
+
+
+def test_the_priority_head_does_not_preempt_better_or_equal_requests():
+    s = make(priority_strategy="priority", max_seqs_per_batch=1)
+    put_running(s, req("x", 3, priority=0), 3, (7,))
+    s.add(req("head", 4, priority=0))
+    assert shape(s.schedule()) == {"x": (3, 1)} and s.num_preemptions == 0
+
+
+# -- latency-aware -----------------------------------------------------------------------------------
+def latency(coef: list[float], tpot_ms: int) -> LatencyTargets:
+    model = StepTimeModel()
+    model.coef = coef
+    return LatencyTargets(model, tpot_ms, None)
+
+
+def test_a_held_prefill_does_not_stop_one_whose_ttft_is_at_risk():
+    # -0.5 ms + 1 ms a token, TPOT 3 ms: beside a decode, a prefill may add 2 tokens, under the 16 of
+    # MIN_CHUNK: held. Now 10 s; p2 arrived at 0 with a 1 ms target (at risk): its whole chunk. p3
+    # arrived at 5 s with a 5.040 s target: 5 s waited + its 38 remaining tokens (37.5 ms) = 5.0375 s:
+    # not at risk, held.
+    clock = Clock(10.0)
+    s = make(latency=latency([-0.0005, 0.001, 0.0, 0.0, 0.0], 3), clock=clock, max_tokens_per_chunk_for_prefill=8)
+    put_running(s, req("d", 3), 3, (7,))
+    put_running(s, req("p1", 40, arrival_time=0.0), 2)
+    put_running(s, req("p3", 40, arrival_time=5.0, ttft_slo_ms=5040), 2)
+    put_running(s, req("p2", 40, arrival_time=0.0, ttft_slo_ms=1), 2)
+    assert shape(s.schedule()) == {"d": (3, 1), "p2": (2, 8)}
+    assert s.latency.num_held == 2
+
+
+def test_nothing_is_held_without_a_running_decode():
+    s = make(latency=latency([0.0, 0.001, 0.0, 0.0, 0.0], 3), max_tokens_per_chunk_for_prefill=8)
+    put_running(s, req("p1", 40), 2)
+    s.add(req("w", 10))
+    assert shape(s.schedule()) == {"p1": (2, 8), "w": (0, 8)}
+    assert s.latency.num_held == 0
+
+
+def test_a_prefill_only_step_when_the_heads_first_chunk_fits():
+    # without mixed batches the waiting head goes alone when its first chunk (not its whole prompt)
+    # gets blocks: 3 blocks, d holds 1; w's first chunk of 8 needs 2 (its 20 tokens would need 5)
+    s = make(num_blocks=3, enable_mix_batch=False, max_tokens_per_chunk_for_prefill=8)
+    put_running(s, req("d", 3), 3, (7,))
+    s.add(req("w", 20))
+    assert shape(s.schedule()) == {"w": (0, 8)}
+    # a 4-token prompt needs 1 block (not a chunk's 2): it goes alone too
+    s = make(num_blocks=2, enable_mix_batch=False, max_tokens_per_chunk_for_prefill=8)
+    put_running(s, req("d", 3), 3, (7,))
+    s.add(req("w", 4))
+    assert shape(s.schedule()) == {"w": (0, 4)}
+    # one that does not get blocks leaves the step to the decodes
+    s = make(num_blocks=2, enable_mix_batch=False, max_tokens_per_chunk_for_prefill=8)
+    put_running(s, req("d", 3), 3, (7,))
+    s.add(req("w", 8))
+    assert shape(s.schedule()) == {"d": (3, 1)}
+
+
+def test_each_missed_ttft_deadline_is_counted_and_logged_once(caplog):
+    clock = Clock(2.0)
+    s = make(clock=clock, max_seqs_per_batch=1)
+    put_running(s, req("busy", 3), 3, (7,))
+    s.add(req("a", 3, ttft_slo_ms=1500))  # due at 1.5 s
+    s.add(req("b", 3, arrival_time=0.5, ttft_slo_ms=1000))  # due at 1.5 s
+    s.add(req("c", 3, ttft_slo_ms=5000))  # due at 5 s
+    with caplog.at_level(logging.WARNING, logger="heterollm.scheduler"):
+        s.schedule()
+        s.schedule()
+    assert s.num_deadline_missed == 2 and [r.getMessage() for r in caplog.records] == [
+        "request a misses its TTFT target of 1500 ms (still waiting after 2000 ms)",
+        "request b misses its TTFT target of 1000 ms (still waiting after 1500 ms)"]
+
+
+# -- the policy's own answers ----------------------------------------------------------------------------
+def policy(strategy: str, max_global_ttft_ms: int = 2**31 - 1) -> SchedulingPolicy:
+    cfg = load_config([], overrides={"priority_strategy": strategy}).config
+    return SchedulingPolicy(cfg.scheduler, max_global_ttft_ms)
+
+
+def test_reference_time_and_deadline():
+    p, with_global = policy("deadline"), policy("deadline", 3000)
+    assert p.reference_s(req("own", 1, ttft_slo_ms=2500)) == 2.5
+    assert (p.reference_s(req("none", 1)), with_global.reference_s(req("none", 1))) == (10.0, 3.0)
+    assert p.deadline(req("own", 1, arrival_time=4.0, ttft_slo_ms=2500)) == 6.5
+    assert with_global.deadline(req("own", 1, arrival_time=4.0, ttft_slo_ms=2500)) == 6.5
+    assert with_global.deadline(req("none", 1, arrival_time=4.0)) == 7.0
+    assert p.deadline(req("none", 1, arrival_time=4.0)) == math.inf
+
+
+def test_the_victim_is_the_worst_ranked_sparing_starved_ones():
+    p = policy("priority")
+    a, b, c = (req(rid, 1, priority=prio) for rid, prio in (("a", 1), ("b", 7), ("c", 4)))
+    assert p.victim([]) is None
+    assert p.victim([a, b, c]) is b and p.victim([a, b, c], worse_than=c) is b
+    assert p.victim([a, c], worse_than=c) is None  # equal is not worse
+    b.starved = True
+    assert p.victim([a, b, c]) is c  # a starved request is spared while others remain
+    a.starved = c.starved = True
+    assert p.victim([a, b, c]) is b  # all starved: the worst of them for blocks
+    assert p.victim([a, b, c], worse_than=req("top", 1, priority=0)) is None  # but never for priority
+    fcfs = policy("fcfs")
+    assert fcfs.victim([a, b, c]) is c  # the newest, starved or not
+    assert fcfs.victim([a, b, c], worse_than=req("top", 1, priority=0)) is None  # fcfs ranks no one worse
