@@ -47,7 +47,8 @@ class FastDeployConfig(FlagGroup):
     revision: Optional[str] = flag(None, "--model 为 Hugging Face 模型名称时使用的 Git 版本 (分支、tag 或 commit),经 huggingface_hub 缓存解析。")
     chat_template: Optional[str] = flag(None, "chat 模板,字符串或文件路径;未指定时使用模型自带模板。")
     tool_parser_plugin: Optional[str] = flag(None, "要注册的 tool parser 文件路径。")
-    load_choices: choice("default", "default_v1") = flag("default", "权重加载器: default 或 default_v1。")
+    load_choices: choice("default", "default_v1") = flag(
+        "default", "权重加载器: default (整张量交给 weight loader) 或 default_v1 (内存映射按分片读取: 张量并行时每个 rank 只读取、只转换自己的分片)。")
     runner: choice("auto", "generate", "pooling") = flag("auto", "模型 runner: auto、generate、pooling;pooling 即 xLLM 的 --task embed (embedding 服务)。")
     convert: choice("auto", "none", "embed") = flag("auto", "将生成模型转换为 pooling 模型的方式 (配合 --runner pooling): auto、none、embed。")
     pooler_config: JsonDict = flag(None, "pooling 配置 (JSON 对象),如 {\"pooling_type\": \"MEAN\", \"normalize\": true};pooling_type 取 LAST、MEAN、CLS。")

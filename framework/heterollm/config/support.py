@@ -53,8 +53,8 @@ def _planned(names: str, reason: str, ok: tuple[Any, ...] = ()) -> None:
 
 
 _planned("backend", "vlm and dit backends; --backend=llm is accepted", ok=("llm",))
-_planned("load_choices use_warmup",
-         "quantized execution / weight reloading (weights are dequantized on load)")
+_planned("use_warmup", "a launch-time warm-up pass at the longest length; the KV cache is sized from the model's "
+         "shapes, with no profiling run to warm")
 _planned("kv_cache_ratio static_decode_blocks max_num_partial_prefills max_long_partial_prefills "
          "long_prefill_token_threshold prefill_scheduling_memory_usage_threshold", "scheduler policies issue")
 _planned("ep_size cp_size kv_split_size "

@@ -16,6 +16,7 @@ import torch
 
 from heterollm.config import ConfigError
 from heterollm.model_executor import gguf_cache, hub
+from heterollm.model_executor.checkpoint_slice import ReadStats, mapped_slice, safetensors_slice
 from heterollm.model_executor.quant_checkpoint import unpack_quantized
 from heterollm.model_executor.quant_config import checkpoint_quantization
 
@@ -119,17 +120,30 @@ def _progress(items: list, desc: str):
     return tqdm(items, desc=desc, unit="tensor", disable=None, leave=False)
 
 
-def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+LOAD_CHOICES = ("default", "default_v1")
+
+
+def iter_weights(source: ModelSource, load_choices: str = "default",
+                 stats: ReadStats | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's (name, tensor) pairs; a quantized checkpoint's packed linear layers come out
-    unpacked into quant_checkpoint's layout."""
+    unpacked into quant_checkpoint's layout.
+
+    `load_choices` (`--load_choices`): `default` reads each tensor whole; `default_v1` hands the
+    model's weight loaders `CheckpointSlice`s over the memory-mapped file, so each tensor-parallel
+    rank reads only its shard (and converts only that to the model's dtype). GGUF tensors are
+    dequantized whole either way. `stats` counts the bytes read."""
+    if load_choices not in LOAD_CHOICES:
+        raise ConfigError(f"--load_choices={load_choices}: expected one of {', '.join(LOAD_CHOICES)}")
+    stats = stats if stats is not None else ReadStats()
     quant = None if source.gguf_file is not None else checkpoint_quantization(source.hf_config)
-    tensors = _iter_tensors(source)
+    tensors = _iter_tensors(source, load_choices == "default_v1", stats)
     yield from tensors if quant is None else unpack_quantized(tensors, quant)
 
 
-def _iter_tensors(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_tensors(source: ModelSource, lazy: bool, stats: ReadStats) -> Iterator[tuple[str, torch.Tensor]]:
     if source.gguf_file is not None:
-        yield from _iter_gguf(source)
+        for name, tensor in _iter_gguf(source):
+            yield name, stats.whole(tensor)
         return
     files = sorted(source.folder.glob("*.safetensors"))
     if not files:
@@ -137,12 +151,13 @@ def _iter_tensors(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
         if not bins:
             raise ConfigError(f"--model: {source.folder} has no *.safetensors (or pytorch_model*.bin) weights")
         for path in bins:
-            try:
-                state = torch.load(path, map_location="cpu", weights_only=True)
-            except Exception as exc:
-                raise ConfigError(f"--model: cannot read weights {path}: {exc}") from None
+            state, mapped = _torch_load(path, lazy)
             for name in _progress(list(state), f"loading {path.name}"):
-                yield name, state[name]
+                tensor = state[name]
+                if mapped:
+                    yield name, mapped_slice(tensor, stats)
+                    continue
+                yield name, stats.whole(tensor)
         return
     from safetensors import SafetensorError, safe_open
 
@@ -150,9 +165,28 @@ def _iter_tensors(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
         try:
             with safe_open(str(path), framework="pt") as fh:
                 for name in _progress(list(fh.keys()), f"loading {path.name}"):
-                    yield name, fh.get_tensor(name)
+                    if lazy:
+                        yield name, safetensors_slice(fh, name, stats)
+                        continue
+                    yield name, stats.whole(fh.get_tensor(name))
         except (SafetensorError, OSError, RuntimeError) as exc:
             raise ConfigError(f"--model: weight file {path} is corrupt or truncated: {exc}") from None
+
+
+def _torch_load(path: Path, mmap: bool) -> tuple[dict[str, torch.Tensor], bool]:
+    """A pytorch_model*.bin and whether it stayed memory-mapped: for default_v1 when the file is in
+    the zip format (torch >= 1.6 writes it); an older file is read whole."""
+    try:
+        if mmap:
+            try:
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=True), True
+            except RuntimeError as exc:
+                if "mmap" not in str(exc):
+                    raise
+                logger.info("%s predates the zip format torch can memory-map; reading it whole", path)
+        return torch.load(path, map_location="cpu", weights_only=True), False
+    except Exception as exc:
+        raise ConfigError(f"--model: cannot read weights {path}: {exc}") from None
 
 
 _GGUF_LAYER = {

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import torch
 
 from heterollm.config import ConfigError
+from heterollm.model_executor.checkpoint_slice import materialize
 from heterollm.model_executor.quant_config import CheckpointQuant
 
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
@@ -116,7 +117,7 @@ def unpack_quantized(weights: Iterator[tuple[str, torch.Tensor]],
             continue
         module, kind = piece
         pieces = pending.setdefault(module, {})
-        pieces[kind] = tensor
+        pieces[kind] = materialize(tensor)  # unpacking reorders whole tensors; pieces outlive their file
         if _complete(pieces, quant):
             for part, value in _UNPACK[quant.format](module, pending.pop(module), quant).items():
                 yield f"{module}.{part}", value

@@ -18,6 +18,7 @@ from heterollm.interfaces.executor import RankMemory
 from heterollm.model_executor import ops
 from heterollm.model_executor.linear_method import (model_bytes, prepare_linears, repack_after_reload,
                                                      select_linear_method, unpack_for_reload)
+from heterollm.model_executor.checkpoint_slice import ReadStats
 from heterollm.model_executor.loader import ModelSource, iter_weights
 from heterollm.model_executor.parallel import ParallelContext
 from heterollm.model_executor.quant_linear import attach_quantized, checkpoint_methods, prepare_quantized
@@ -170,6 +171,8 @@ class ModelRunner:
         """Embedding and scoring requests: pooled from the final hidden states instead of sampled."""
         self.model: Any = None
         self.weight_bytes = 0
+        self.load_seconds = 0.0
+        self.checkpoint_reads = ReadStats()
 
     # -- set-up ----------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -195,8 +198,9 @@ class ModelRunner:
                 torch.set_default_dtype(previous)
         expected = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         where = self.source.gguf_file or self.source.folder
+        reads = ReadStats()
         try:
-            loaded = model.load_weights(iter_weights(self.source))
+            loaded = model.load_weights(iter_weights(self.source, self.config.fastdeploy.load_choices, reads))
         except KeyError as exc:
             raise ConfigError(f"--model: {where} holds tensor {exc.args[0]!r}, which the "
                               f"{type(model).__name__} architecture does not have") from None
@@ -214,10 +218,13 @@ class ModelRunner:
             raise ConfigError(str(exc)) from None
         self.model = model.eval()
         self.weight_bytes = model_bytes(model)
-        logger.info("loaded %s (%s, %.1f MiB of weights, %s%s) in %.1fs", type(model).__name__, where,
-                    self.weight_bytes / 2**20, str(self.dtype).removeprefix("torch."),
+        self.load_seconds = time.perf_counter() - started
+        self.checkpoint_reads = reads
+        logger.info("loaded %s (%s, %.1f MiB of weights, %s%s) in %.2fs; --load_choices %s handed "
+                    "the weight loaders %.1f of the checkpoint's %.1f MiB", type(model).__name__, where, self.weight_bytes / 2**20,
+                    str(self.dtype).removeprefix("torch."),
                     f", linear method {(quant_method or method).name}" if quant_method or method else "",
-                    time.perf_counter() - started)
+                    self.load_seconds, self.config.fastdeploy.load_choices, reads.read / 2**20, reads.stored / 2**20)
 
     def kv_bytes_per_block(self) -> int:
         layers, kv_heads, head_dim = self.model.kv_geometry
