@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from heterollm.interfaces import Platform
+from heterollm.interfaces import Platform, TraceProfiler
 
 
 class CudaPlatform(Platform):
@@ -45,7 +45,34 @@ class CudaPlatform(Platform):
             return torch.cuda.is_bf16_supported()
         return True
 
+    profilers = {
+        "torch": "torch.profiler (Kineto): host operators and CUDA kernels, written as a Chrome / Perfetto trace",
+        "cuda": "cudaProfilerStart / cudaProfilerStop around the profiled steps: the capture range of an outside "
+                "`nsys profile --capture-range=cudaProfilerApi` (no file from heterollm)",
+    }
+
+    def profiler_activities(self) -> list:
+        from torch.profiler import ProfilerActivity
+
+        return [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+
+    def trace_profiler(self, backend: str) -> TraceProfiler:
+        return CudaRangeProfiler() if backend == "cuda" else super().trace_profiler(backend)
+
     def validate(self, config) -> list[str]:
         """The CUDA-owned flags this backend has not built are refused through its descriptor
         (`Backend.unsupported`); nothing else to refuse here."""
+        return []
+
+
+class CudaRangeProfiler(TraceProfiler):
+    """`--profile_backend cuda`: marks the capture range of an outside Nsight Systems run."""
+
+    def start(self, stem) -> None:
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+
+    def stop(self) -> list:
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
         return []

@@ -2,6 +2,9 @@
 all its vendor allows before a device is used."""
 from __future__ import annotations
 
+from pathlib import Path
+
+from heterollm.interfaces import TraceProfiler
 from heterollm.model_executor.device_backend import ExtensionPlatform
 
 
@@ -11,3 +14,36 @@ class NpuPlatform(ExtensionPlatform):
     dist_backend = "hccl"
     default_impl = "npu"
     extension = "torch_npu"
+
+    profilers = {"torch": "torch_npu.profiler: host operators, CANN and NPU activity, written as torch_npu's "
+                          "result folder (ascend_pt: trace_view.json for Perfetto, plus CANN's tables)"}
+    """--profile_backend ascend (CANN's msprof raw capture) is not offered: refused at launch."""
+
+    def trace_profiler(self, backend: str) -> TraceProfiler:
+        if backend != "torch":
+            return super().trace_profiler(backend)  # names what is offered
+        return NpuTraceProfiler()
+
+
+class NpuTraceProfiler(TraceProfiler):
+    """torch_npu's profiler over CPU and NPU; torch_npu writes its own result folder at stop."""
+
+    def __init__(self) -> None:
+        self._prof = None
+        self._folder: Path | None = None
+
+    def start(self, stem: Path) -> None:
+        import torch_npu
+
+        prof = torch_npu.profiler
+        self._folder = stem
+        self._prof = prof.profile(activities=[prof.ProfilerActivity.CPU, prof.ProfilerActivity.NPU],
+                                  on_trace_ready=prof.tensorboard_trace_handler(str(stem)), record_shapes=True)
+        self._prof.start()
+
+    def stop(self) -> list[Path]:
+        prof, self._prof = self._prof, None
+        if prof is None:
+            return []
+        prof.stop()
+        return [self._folder]

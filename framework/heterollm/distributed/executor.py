@@ -123,6 +123,13 @@ class MultiprocExecutor(Executor):
         """Every rank loads its shard of the new weights (a rank that fails leaves the job)."""
         return self._call("update_weights", update)
 
+    def start_profile(self) -> None:
+        self._call("start_profile")
+
+    def stop_profile(self) -> list[str]:
+        """Every rank's trace files (rank 0 gathers them)."""
+        return self._call("stop_profile")
+
     def shutdown(self) -> None:
         if self._closed:
             return

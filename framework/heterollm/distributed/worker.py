@@ -132,7 +132,8 @@ def _serve(executor: Any, ctrl: Any, rank: int, conn: Any) -> None:
             if rank != 0:  # nobody hears this rank's answer: leave, so the engine sees a dead worker
                 os._exit(1)
             error = exc
-        if method == "memory_profile":  # rank 0 answers for every rank: the launcher sizes the cache for all
+        if method in ("memory_profile", "stop_profile"):  # rank 0 answers for every rank (the launcher
+            # sizes the cache for all; every rank's trace file)
             profiles: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(profiles, result if error is None else [], group=ctrl)
             result = [p for rank_profiles in profiles for p in rank_profiles]

@@ -172,6 +172,15 @@ class LLM:
         All or nothing; the prefix cache is emptied. Returns {"tensors", "seconds"}."""
         return self.engine.update_weights(WeightUpdate(path=path, payload=payload))
 
+    def start_profile(self) -> None:
+        """Start the online profiler on every rank (needs enable_online_profile=True); the steps run
+        until `stop_profile` are recorded."""
+        self.engine.start_profile()
+
+    def stop_profile(self) -> list[str]:
+        """Stop it; the trace files written, one per rank (in profile_dir; open them in Perfetto)."""
+        return self.engine.stop_profile()
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 

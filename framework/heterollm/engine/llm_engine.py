@@ -183,6 +183,7 @@ class LLMEngine:
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, tuple[_Parent, _Child]] = {}
         self.profiler = StepProfiler() if config.profile.enable_profile_step_time else None
+        self._profiling = False
         if self.scheduler.latency is not None:
             if self.profiler is not None:
                 self.profiler.model = self.scheduler.latency.model
@@ -356,6 +357,37 @@ class LLMEngine:
         seconds = time.perf_counter() - started
         logger.info("reloaded %d weight tensors in %.2fs; the prefix cache was emptied", count, seconds)
         return {"tensors": count, "seconds": seconds}
+
+    def start_profile(self) -> None:
+        """Start the online profiler on every rank (--enable_online_profile), between two steps, on
+        the thread that runs the steps."""
+        self._profile_call(True)
+
+    def stop_profile(self) -> list[str]:
+        """Stop it; every rank's trace file (in --profile_dir), to open in Perfetto."""
+        return self._profile_call(False)
+
+    def _profile_call(self, start: bool) -> Any:
+        if not self.config.profile.enable_online_profile:
+            raise RequestRejected("enable_online_profile", "online profiling needs --enable_online_profile "
+                                                           "(and, optionally, --profile_dir and --profile_backend)")
+        if start == self._profiling:
+            raise RequestRejected("profile", "a profile is already being recorded; stop it first" if start else
+                                  "no profile is being recorded; start one first")
+        if self._in_flight is not None:
+            self._in_flight[1].result()  # the step ends first; its outputs are still processed as usual
+        call = self.executor.start_profile if start else self.executor.stop_profile
+        try:
+            # with schedule overlap the steps run on the step thread: profile that thread
+            result = self._worker.submit(call).result() if self._worker is not None else call()
+        except NotImplementedError as exc:
+            raise RequestRejected("enable_online_profile", str(exc)) from None
+        self._profiling = start
+        if start:
+            logger.info("online profile started (--profile_backend %s)", self.config.profile.profile_backend)
+        else:
+            logger.info("online profile written: %s", ", ".join(result) or "(handed to the capture tool)")
+        return result
 
     def check_health(self) -> None:
         """Raise ExecutorDead when the executor's workers are gone (executors that have workers)."""
@@ -594,6 +626,11 @@ class LLMEngine:
                              first.pooled)
 
     def shutdown(self) -> None:
+        if self._profiling:  # a profile still recording is written, not lost
+            try:
+                self.stop_profile()
+            except Exception as exc:  # the executor may be what failed
+                logger.warning("could not write the online profile at shutdown: %s", exc)
         if self._worker is not None:
             if self._in_flight is not None:
                 self._in_flight[1].exception()  # let the running step end before the executor goes

@@ -11,7 +11,7 @@ from heterollm.interfaces.communicator import Communicator
 from heterollm.interfaces.component import Component
 from heterollm.interfaces.executor import Executor, ExecutorDead
 from heterollm.interfaces.graph_runner import GraphRunner
-from heterollm.interfaces.platform import Platform
+from heterollm.interfaces.platform import Platform, TraceProfiler
 from heterollm.interfaces.step import DecodeInputs, ForwardContext, StepForward, StepInputs
 
 API_VERSION = "2.0"
@@ -20,4 +20,4 @@ API_VERSION = "2.0"
 __all__ = ["API_VERSION", "AttentionBackend", "Backend", "AttentionInputs", "AttentionMetadata", "RunnerOutput",
            "ScheduledRequest", "SchedulerOutput", "TokenLogprobs", "Communicator", "Component", "Executor",
            "ExecutorDead",
-           "GraphRunner", "Platform", "SamplingInfo", "DecodeInputs", "ForwardContext", "StepForward", "StepInputs"]
+           "GraphRunner", "Platform", "TraceProfiler", "SamplingInfo", "DecodeInputs", "ForwardContext", "StepForward", "StepInputs"]

@@ -78,6 +78,16 @@ class Executor(Component):
         capability: the default refuses, and the core's executors implement it."""
         raise NotImplementedError(f"{type(self).__name__} cannot reload weights while running")
 
+    def start_profile(self) -> None:
+        """Start the platform's online profiler (`Platform.trace_profiler`, --enable_online_profile) on
+        every worker, on the thread that runs its steps, between steps. Optional, like
+        `update_weights`: the default refuses, and the core's executors implement it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot profile its workers")
+
+    def stop_profile(self) -> list[str]:
+        """Stop it on every worker; the trace files written, every rank's."""
+        raise NotImplementedError(f"{type(self).__name__} cannot profile its workers")
+
     @abstractmethod
     def shutdown(self) -> None:
         """Stop workers and release device memory. Safe to call twice."""

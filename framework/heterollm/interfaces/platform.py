@@ -2,10 +2,27 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     from heterollm.config import HeterollmConfig
+
+
+class TraceProfiler(ABC):
+    """An online timeline profiler (`--enable_online_profile`): `POST /start_profile` starts it on
+    every rank, on the thread that runs the steps, and `/stop_profile` stops it there."""
+
+    @abstractmethod
+    def start(self, stem: Path) -> None:
+        """Begin recording; what is recorded goes next to `stem` (a folder and a file name without
+        suffix, unique to this rank and session)."""
+
+    @abstractmethod
+    def stop(self) -> list[Path]:
+        """End recording and write it; return the files (or folders) written: none for a profiler
+        that hands its capture to an outside tool."""
 
 
 class Platform(ABC):
@@ -68,6 +85,27 @@ class Platform(ABC):
         """Whether `dtype` ("float32", "bfloat16", "float16") runs natively here; `--dtype auto`
         avoids the ones that do not. Optional: the default says yes to all."""
         return True
+
+    profilers: ClassVar[Mapping[str, str]] = {
+        "torch": "torch.profiler (Kineto): host operators, written as a Chrome / Perfetto trace"}
+    """The `--profile_backend` values this platform offers, with what each records. Optional: the
+    default is torch's profiler over `profiler_activities()`; a backend adds its own (a vendor
+    capture tool) by extending this and `trace_profiler`."""
+
+    def profiler_activities(self) -> list:
+        """The torch.profiler activities the "torch" profiler records here (the default: the host's)."""
+        from torch.profiler import ProfilerActivity
+
+        return [ProfilerActivity.CPU]
+
+    def trace_profiler(self, backend: str) -> TraceProfiler:
+        """A new profiler of kind `backend`, one of `profilers`."""
+        if backend != "torch":
+            raise ValueError(f"--profile_backend={backend}: the {self.name} platform offers "
+                             f"{', '.join(self.profilers)}")
+        from heterollm.profiling import TorchTraceProfiler
+
+        return TorchTraceProfiler(self.profiler_activities())
 
     @abstractmethod
     def validate(self, config: HeterollmConfig) -> list[str]:

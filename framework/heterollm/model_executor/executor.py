@@ -46,6 +46,12 @@ class InProcessExecutor(Executor):
     def update_weights(self, update: WeightUpdate) -> int:
         return self.runner.update_weights(update)
 
+    def start_profile(self) -> None:
+        self.runner.start_profile()
+
+    def stop_profile(self) -> list[str]:
+        return self.runner.stop_profile()
+
     def shutdown(self) -> None:
         if self.runner is not None:
             self.runner.shutdown()

@@ -171,6 +171,7 @@ class ModelRunner:
         """Embedding and scoring requests: pooled from the final hidden states instead of sampled."""
         self.model: Any = None
         self.weight_bytes = 0
+        self.profiler = None
         self.load_seconds = 0.0
         self.checkpoint_reads = ReadStats()
 
@@ -404,6 +405,22 @@ class ModelRunner:
         _load_checked(self.model, tensors, type(self.model).__name__)
         repack_after_reload(self.model, prepared)
         return len(tensors)
+
+    def start_profile(self) -> None:
+        """Start this rank's online profiler (--enable_online_profile) on the calling thread, the one
+        that runs this rank's steps."""
+        from heterollm.profiling import RankProfiler, trace_dir
+
+        if self.profiler is None:
+            self.profiler = RankProfiler(self.platform, self.config.profile.profile_backend, trace_dir(self.config),
+                                         self.pctx.tp_rank)
+        self.profiler.start()
+
+    def stop_profile(self) -> list[str]:
+        """Stop it and write this rank's trace; the files written."""
+        if self.profiler is None:
+            raise RuntimeError("no profile is being recorded")
+        return self.profiler.stop()
 
     def shutdown(self) -> None:
         self.kv_caches = []

@@ -20,6 +20,7 @@ from heterollm.config.checks import check_flag_combinations
 from heterollm.config.schema import current_schema
 from heterollm.config.support import check_support, show_value
 from heterollm.plugins.registry import COMPONENT_GROUPS, DEFAULT_MODEL_FAMILY, Entry, Registry, get_registry
+from heterollm.profiling import check_profile_flags
 
 if TYPE_CHECKING:
     from heterollm.config import HeterollmConfig
@@ -207,6 +208,7 @@ def resolve(config: HeterollmConfig, registry: Registry | None = None,
     backends = tuple(dict.fromkeys([platform_entry.backend, *(e.backend for e in components.values()),
                                     *([model.backend] if model is not None and model.backend else [])]))
     reasons += platform.validate(config)
+    reasons += check_profile_flags(config, platform)
     for group, entry in components.items():
         reasons += [f"{group} {entry.name}: {r}" for r in entry.obj.validate(config)]
     reasons += unsupported_flags(config, registry, backends)

@@ -36,6 +36,7 @@ from heterollm.scheduler.request import RequestRejected
 from heterollm.entrypoints.openai.beam_search import FinishedStream, run_beam_search_request
 from heterollm.entrypoints.openai.metrics import ServerMetrics
 from heterollm.entrypoints.openai.pooling import PoolingRoutes
+from heterollm.entrypoints.openai.profile import ProfileRoutes
 from heterollm.entrypoints.openai.protocol import (
     MAX_N, BadRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, check_messages,
     parse_body)
@@ -177,6 +178,7 @@ class OpenAIServer:
                 "required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}})
         PoolingRoutes(self).register(app)
         WeightRoutes(self).register(app)
+        ProfileRoutes(self).register(app)
         return app
 
     def _error(self, status: int, message: str, param: str | None = None) -> JSONResponse:

@@ -1,0 +1,106 @@
+"""--enable_online_profile: start_profile / stop_profile (offline and POST /start_profile,
+/stop_profile) write one trace per rank into --profile_dir holding the operators the steps between
+them ran, on the thread that runs the steps (schedule overlap included) and on every tensor-parallel
+rank; misuse is a clear refusal naming the flag or the state; the flags fail at launch where they
+cannot work."""
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from heterollm import LLM, SamplingParams
+from heterollm.config import ConfigError
+from heterollm.plugins.resolver import LaunchError
+from heterollm.scheduler.request import RequestRejected
+
+FLAGS = dict(dtype="float32", block_size=8, num_gpu_blocks_override=64, max_model_len=128)
+GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+FORWARD = {"aten::embedding", "aten::silu"}  # in every forward of a llama, whatever kernel its linears use
+
+
+def operators(path: str) -> set[str]:
+    """The operator names (aten::, mkldnn::, ...) a gzipped Chrome trace records."""
+    with gzip.open(path, "rt") as fh:
+        trace = json.load(fh)
+    return {e.get("name", "") for e in trace["traceEvents"] if "::" in e.get("name", "")}
+
+
+def _recorded(llm: LLM, work: bool) -> set[str]:
+    llm.start_profile()
+    if work:
+        llm.generate([[5, 6, 7, 8, 9]], GREEDY)
+    files = llm.stop_profile()
+    assert len(files) == 1 and Path(files[0]).is_file(), files
+    return operators(files[0])
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["steps-on-the-caller", "schedule-overlap"])
+def test_a_profile_records_the_steps_between_start_and_stop(tiny_llama, tmp_path, overlap):
+    llm = LLM(str(tiny_llama), **FLAGS, enable_online_profile=True, profile_dir=str(tmp_path),
+              enable_schedule_overlap=overlap)
+    try:
+        busy = _recorded(llm, work=True)
+        idle = _recorded(llm, work=False)
+    finally:
+        llm.shutdown()
+    # the model's embedding lookup and MLP activation and the greedy sampler's argmax ran between
+    # start and stop, on the thread that runs the steps
+    assert FORWARD <= busy and "aten::argmax" in busy, sorted(busy)
+    assert not FORWARD & idle and "aten::argmax" not in idle  # nothing ran: nothing recorded
+    assert sorted(p.name.endswith("-rank0.pt.trace.json.gz") for p in tmp_path.iterdir()) == [True, True]
+
+
+def test_misuse_is_refused_with_the_flag_or_the_state(tiny_llama, tmp_path):
+    plain = LLM(str(tiny_llama), **FLAGS)
+    try:
+        with pytest.raises(RequestRejected, match="--enable_online_profile") as exc:
+            plain.start_profile()
+        assert exc.value.field == "enable_online_profile"
+    finally:
+        plain.shutdown()
+    llm = LLM(str(tiny_llama), **FLAGS, enable_online_profile=True, profile_dir=str(tmp_path))
+    try:
+        with pytest.raises(RequestRejected, match="no profile is being recorded"):
+            llm.stop_profile()
+        llm.start_profile()
+        with pytest.raises(RequestRejected, match="already being recorded"):
+            llm.start_profile()
+        assert len(llm.generate([[1, 2, 3]], GREEDY)[0].outputs[0].token_ids) == 4  # the engine goes on
+    finally:
+        llm.shutdown()  # a profile still recording is written at shutdown, not lost
+    assert [p.name.endswith(".pt.trace.json.gz") for p in tmp_path.iterdir()] == [True]
+
+
+@pytest.mark.parametrize("flags,message", [
+    ({"enable_online_profile": True, "profile_backend": "cuda"},
+     "--profile_backend=cuda: the cpu platform does not offer it (it offers torch: torch.profiler"),
+    ({"enable_online_profile": True, "profile_backend": "ascend"}, "--profile_backend=ascend: the cpu platform"),
+    ({"profile_dir": "/tmp/x"}, "--profile_dir=/tmp/x: only --enable_online_profile uses it"),
+    ({"profile_backend": "cuda"}, "--profile_backend=cuda: only --enable_online_profile uses it"),
+])
+def test_flags_that_cannot_work_fail_at_launch(tiny_llama, flags, message):
+    with pytest.raises((LaunchError, ConfigError), match=message.replace("(", r"\(")):
+        LLM(str(tiny_llama), **FLAGS, **flags)
+
+
+def test_an_unwritable_profile_dir_fails_at_launch(tiny_llama, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises((LaunchError, ConfigError), match=f"--profile_dir={blocker}/traces: cannot create"):
+        LLM(str(tiny_llama), **FLAGS, enable_online_profile=True, profile_dir=str(blocker / "traces"))
+
+
+def test_every_tensor_parallel_rank_writes_its_trace(tiny_llama, tmp_path):
+    llm = LLM(str(tiny_llama), **FLAGS, tp_size=2, enable_online_profile=True, profile_dir=str(tmp_path))
+    try:
+        llm.start_profile()
+        llm.generate([[5, 6, 7, 8, 9]], GREEDY)
+        files = sorted(llm.stop_profile())
+    finally:
+        llm.shutdown()
+    assert [Path(f).name.rsplit("-", 1)[1] for f in files] == ["rank0.pt.trace.json.gz", "rank1.pt.trace.json.gz"]
+    for f in files:  # each rank ran its half of the model
+        assert FORWARD <= operators(f), f
