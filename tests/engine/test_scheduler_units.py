@@ -521,3 +521,56 @@ def test_the_victim_is_the_worst_ranked_sparing_starved_ones():
     fcfs = policy("fcfs")
     assert fcfs.victim([a, b, c]) is c  # the newest, starved or not
     assert fcfs.victim([a, b, c], worse_than=req("top", 1, priority=0)) is None  # fcfs ranks no one worse
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
+    # budget 8: d's decode takes 1, w's 8-token prompt does not fit the 7 left: it waits, whole
+    s = make(enable_chunked_prefill=False, max_tokens_per_batch=8)
+    put_running(s, req("d", 3), 3, (7,))
+    s.add(req("w", 8))
+    assert step(s) == {"d": (3, 1)}
+    s.finish("d", "stop")
+    assert step(s) == {"w": (0, 8)}
+
+
+def test_without_mixed_batches_a_waiting_request_never_joins_a_decode_step():
+    # 4 blocks; d's 8-token prompt is cached in its 2 blocks. w (the same 8 tokens + 1) would need 3
+    # blocks, 2 are free: no prefill-only step. d decodes (taking a 3rd block); w, which could share
+    # d's 2 blocks and take the last one, still does not join a decode step
+    s = make(num_blocks=4, prefix=True, enable_mix_batch=False)
+    s.add(req("d", 8))
+    assert step(s) == {"d": (0, 8)}
+    s.add(Request("w", list(range(1, 10)), SamplingParams(max_tokens=5), arrival_time=0.0))
+    assert step(s) == {"d": (8, 1)}
+
+
+def test_a_request_waits_until_its_grammar_has_compiled_then_queues_in_arrival_order():
+    s = make(max_seqs_per_batch=1)
+    slow, fast = SimpleNamespace(ready=False), SimpleNamespace(ready=False)
+    s.add(req("slow", 3, grammar=slow)), s.add(req("fast", 3, grammar=fast)), s.add(req("plain", 3))
+    assert list(s.waiting) == [s.requests["plain"]] and s.has_unfinished()
+    fast.ready = True
+    assert step(s) == {"plain": (0, 3)}  # first in the queue; fast joins behind it
+    assert [r.request_id for r in s.waiting] == ["fast"] and [r.request_id for r in s.deferred] == ["slow"]
+    s.finish("plain", "stop")
+    slow.ready = True
+    assert step(s) == {"fast": (0, 3)}
+    assert [r.request_id for r in s.waiting] == ["slow"] and s.deferred == []
+
+
+def test_blocks_adopted_before_a_held_chunk_are_in_the_table():
+    # B (40 tokens) has computed 8, its 2 blocks committed; another request holds the first 4 blocks of
+    # the same prompt in the cache. Before its 2nd further chunk B adopts blocks 2-3 (positions 8-15);
+    # then latency-aware admission holds the chunk (beside d's decode only 2 tokens fit the 3 ms
+    # TPOT). B's table must still cover the 16 tokens it now counts as computed.
+    s = make(prefix=True, latency=latency([-0.0005, 0.001, 0.0, 0.0, 0.0], 3), max_tokens_per_chunk_for_prefill=8)
+    tokens = list(range(1, 41))
+    s.kv.allocate("donor", 16)
+    s.kv.commit("donor", tokens, 16)
+    put_running(s, req("d", 3), 3, (7,))
+    b = put_running(s, req("B", 40), 8)
+    s.kv.commit("B", tokens, 8)
+    b.num_prefill_chunks = 1
+    assert shape(s.schedule()) == {"d": (3, 1)}
+    assert (b.num_computed_tokens, b.num_cached_tokens, s.kv.hits) == (16, 8, 8)
+    assert len(s.kv.tables["B"]) == 4 and s.kv.tables["B"][2:] == s.kv.tables["donor"][2:]
