@@ -53,8 +53,6 @@ def _planned(names: str, reason: str, ok: tuple[Any, ...] = ()) -> None:
 
 
 _planned("backend", "vlm and dit backends; --backend=llm is accepted", ok=("llm",))
-_planned("use_warmup", "a launch-time warm-up pass at the longest length; the KV cache is sized from the model's "
-         "shapes, with no profiling run to warm")
 _planned("kv_cache_ratio static_decode_blocks max_num_partial_prefills max_long_partial_prefills "
          "long_prefill_token_threshold prefill_scheduling_memory_usage_threshold", "scheduler policies issue")
 _planned("ep_size cp_size kv_split_size "
@@ -74,8 +72,10 @@ _planned("enable_disagg_pd disagg_pd_port instance_role kv_cache_transfer_mode t
          "kv_push_dst_rotate splitwise_role innode_prefill_ports", "PD disaggregation")
 _planned("etcd_addr etcd_namespace enable_service_routing xservice_rpc_protocol xservice_address heart_beat_interval "
          "etcd_ttl", "service discovery")
-_planned("enable_profile_token_budget enable_profile_kv_blocks disable_ttft_profiling",
+_planned("enable_profile_token_budget enable_profile_kv_blocks",
          "the latency-aware scheduler's start-up profiling options")
+_planned("disable_ttft_profiling", "it skips the TTFT / TPOT profile a disaggregated-PD instance reports to the "
+         "service router; PD disaggregation")
 _planned("indexer_cache_dtype max_linear_state_cache_slots phy_page_granularity_size enable_dsa_multi_stream",
          "models with indexer / linear-attention caches")
 

@@ -35,7 +35,7 @@ from heterollm.pooling.task import build_setup
 from heterollm.sampling import SamplingParams, StructuredOutputsParams
 from heterollm.sampling.structured import GrammarState, StructuredOutputManager
 from heterollm.scheduler import Scheduler
-from heterollm.engine.latency_profile import latency_targets, profile_step_time
+from heterollm.engine.latency_profile import latency_targets, profile_step_time, warm_up
 from heterollm.scheduler.policy import SchedulingPolicy
 from heterollm.tokenizer import IncrementalDetokenizer, load_tokenizer
 
@@ -182,8 +182,11 @@ class LLMEngine:
         self._in_flight: tuple[SchedulerOutput, Future, float] | None = None
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, tuple[_Parent, _Child]] = {}
-        self.profiler = StepProfiler() if config.profile.enable_profile_step_time else None
+        self.profiler: StepProfiler | None = None
         self._profiling = False
+        self.warmup_shapes = warm_up(self) if config.fastdeploy.use_warmup else []
+        """(prompt tokens, tokens generated) of the --use_warmup requests run before serving."""
+        self.profiler = StepProfiler() if config.profile.enable_profile_step_time else None
         if self.scheduler.latency is not None:
             if self.profiler is not None:
                 self.profiler.model = self.scheduler.latency.model
