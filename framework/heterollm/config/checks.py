@@ -25,13 +25,18 @@ def check_flag_combinations(config: HeterollmConfig) -> list[str]:
                         f"--nnodes={dist.nnodes} they would all meet at one --master_node_addr")
     prof = config.profile
     if not prof.enable_latency_aware_schedule:
-        for name, default in (("max_global_tpot_ms", INT32_MAX), ("profile_max_prompt_length", 2048)):
+        for name, default in (("profile_max_prompt_length", 2048), ("enable_profile_kv_blocks", True)):
             if getattr(prof, name) != default:
-                problems.append(f"--{name}={getattr(prof, name)}: only --enable_latency_aware_schedule uses it "
-                                f"(set that too)")
-    elif prof.max_global_tpot_ms >= INT32_MAX:
-        problems.append("--enable_latency_aware_schedule: needs --max_global_tpot_ms, the TPOT target it keeps "
-                        "running decodes within")
+                problems.append(f"--{name}={getattr(prof, name)}: only --enable_latency_aware_schedule's start-up "
+                                f"profile uses it (set that too)")
+        if prof.max_global_tpot_ms != INT32_MAX and not prof.enable_profile_token_budget:
+            problems.append(f"--max_global_tpot_ms={prof.max_global_tpot_ms}: only --enable_latency_aware_schedule "
+                            f"and --enable_profile_token_budget use it (set one of them too)")
+    for flag in ("enable_latency_aware_schedule", "enable_profile_token_budget"):
+        if getattr(prof, flag) and prof.max_global_tpot_ms >= INT32_MAX:
+            problems.append(f"--{flag}: needs --max_global_tpot_ms, the TPOT target "
+                            + ("it keeps running decodes within" if flag.startswith("enable_latency")
+                               else "a step's tokens are budgeted to meet"))
     if config.kv_cache.kv_events_config:
         events = parse_kv_events_config(config.kv_cache.kv_events_config)
         problems += kv_events_port_problems(events, config.parallel.dp_size)

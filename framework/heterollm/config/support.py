@@ -72,8 +72,6 @@ _planned("enable_disagg_pd disagg_pd_port instance_role kv_cache_transfer_mode t
          "kv_push_dst_rotate splitwise_role innode_prefill_ports", "PD disaggregation")
 _planned("etcd_addr etcd_namespace enable_service_routing xservice_rpc_protocol xservice_address heart_beat_interval "
          "etcd_ttl", "service discovery")
-_planned("enable_profile_token_budget enable_profile_kv_blocks",
-         "the latency-aware scheduler's start-up profiling options")
 _planned("disable_ttft_profiling", "it skips the TTFT / TPOT profile a disaggregated-PD instance reports to the "
          "service router; PD disaggregation")
 _planned("indexer_cache_dtype max_linear_state_cache_slots phy_page_granularity_size enable_dsa_multi_stream",

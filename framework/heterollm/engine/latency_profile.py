@@ -5,11 +5,12 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
-from heterollm.config import HeterollmConfig
+from heterollm.config import ConfigError, HeterollmConfig
 from heterollm.config.base import INT32_MAX
 from heterollm.pooling import PoolingParams
 from heterollm.sampling import SamplingParams
@@ -40,6 +41,18 @@ def profile_step_time(engine: LLMEngine) -> None:
     sizes = sorted({max(1, longest >> k) for k in range(0, 10, 2)})
     batches = [[(n, 1)] for n in sizes] + [[(32, 4)] * b for b in (1, 4, 16) if b <= cfg.max_seqs_per_batch]
     run_startup_batches(engine, batches, gen)
+    block = engine.kv.block_size
+    if engine.config.profile.enable_profile_kv_blocks and engine.kv.enable_prefix_cache:
+        # prefills after cached context: a prompt, then the same prompt with as many tokens again,
+        # whose first blocks the prefix cache hands back (the attention term over cached keys)
+        for n in sizes:
+            half = n // 2 // block * block
+            if half >= block:
+                prompt = torch.randint(3, engine.vocab_size, (half,), generator=gen).tolist()
+                run_startup_batches(engine, [[(prompt, 1)]], gen)
+                run_startup_batches(engine, [[(prompt + torch.randint(3, engine.vocab_size, (n - half,),
+                                                                       generator=gen).tolist(), 1)]], gen)
+        engine.kv.reset_prefix_cache()
     model = engine.scheduler.latency.model
     logger.info("latency-aware scheduling: profiled %d steps in %.1f s; %s", len(model.samples),
                 time.perf_counter() - t0, model.describe())
@@ -68,14 +81,56 @@ def warm_up(engine: LLMEngine) -> list[tuple[int, int]]:
     return [shape for batch in batches for shape in batch]
 
 
-def run_startup_batches(engine: LLMEngine, batches: list[list[tuple[int, int]]], gen: torch.Generator) -> None:
-    """Each batch of (prompt tokens, tokens to generate) runs to the end through the engine, random
-    tokens; then the KV cache's counters and events forget them (they are not traffic)."""
+def profile_token_budget(engine: LLMEngine, measure: Callable[[int], float] | None = None) -> int:
+    """--enable_profile_token_budget: the most tokens one step may carry and still end within
+    --max_global_tpot_ms, found by binary search over single-prompt steps (a prompt of n random
+    tokens, prefilled in one step: the median of 3 runs). The search runs up to the smallest of
+    --max_tokens_per_batch, the prefill chunk, max_model_len and the KV cache. `measure(n)` -> seconds
+    (for tests); by default the engine's own step time."""
+    t0 = time.perf_counter()
+    cfg, target = engine.config.scheduler, engine.config.profile.max_global_tpot_ms / 1000
+    upper = max(1, min(cfg.max_tokens_per_batch, engine.scheduler.chunk_size, engine.max_model_len - 1,
+                       engine.num_blocks * engine.kv.block_size - 1))
+    gen = torch.Generator().manual_seed(1)
+
+    def step_seconds(n: int) -> float:
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            run_startup_batches(engine, [[(n, 1)]], gen)
+            times.append(time.perf_counter() - started)
+        return sorted(times)[1]
+
+    measure = measure or step_seconds
+    lo, hi = 0, upper  # the answer lies in [lo, hi]: lo fits (0 trivially), above hi nothing was tried
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if measure(mid) <= target:
+            lo = mid
+        else:
+            hi = mid - 1
+    if engine.kv.enable_prefix_cache:
+        engine.kv.reset_prefix_cache()
+    if lo == 0:
+        raise ConfigError(f"--enable_profile_token_budget: even a 1-token step takes longer than "
+                          f"--max_global_tpot_ms={engine.config.profile.max_global_tpot_ms} here; raise the target")
+    logger.info("token budget (--enable_profile_token_budget): %d tokens per step keep a step within %d ms "
+                "(searched up to %d) in %.1f s", lo, engine.config.profile.max_global_tpot_ms, upper,
+                time.perf_counter() - t0)
+    return lo
+
+
+def run_startup_batches(engine: LLMEngine, batches: list[list[tuple[int | list[int], int]]],
+                        gen: torch.Generator) -> None:
+    """Each batch of (prompt, tokens to generate) runs to the end through the engine: a prompt is
+    its tokens, or a length (random tokens). Then the KV cache's counters and events forget them
+    (they are not traffic)."""
     # a launch that cannot generate (--task embed, a classifier) runs its prompts as pooling requests
     pooling = None if engine.pooling.generation_refusal() is None else PoolingParams(
         task="embed" if engine.pooling.task == "embed" else "score")
     for batch in batches:
-        ids = [engine.add_request(torch.randint(3, engine.vocab_size, (n,), generator=gen).tolist(),
+        ids = [engine.add_request(n if isinstance(n, list) else torch.randint(3, engine.vocab_size, (n,),
+                                                                              generator=gen).tolist(),
                                   SamplingParams(max_tokens=m, temperature=0, ignore_eos=True),
                                   request_id=f"__startup-{uuid.uuid4().hex}", pooling=pooling) for n, m in batch]
         while any(engine.is_unfinished(i) for i in ids):

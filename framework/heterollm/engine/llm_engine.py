@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from heterollm.config import HeterollmConfig
+from heterollm.config.scheduling import SchedulerConfig
 from heterollm.engine.admission import AdmissionLimits, admit_params, best_of
 from heterollm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from heterollm.scheduler.request import Request, RequestRejected
@@ -35,7 +36,7 @@ from heterollm.pooling.task import build_setup
 from heterollm.sampling import SamplingParams, StructuredOutputsParams
 from heterollm.sampling.structured import GrammarState, StructuredOutputManager
 from heterollm.scheduler import Scheduler
-from heterollm.engine.latency_profile import latency_targets, profile_step_time, warm_up
+from heterollm.engine.latency_profile import latency_targets, profile_step_time, profile_token_budget, warm_up
 from heterollm.scheduler.policy import SchedulingPolicy
 from heterollm.tokenizer import IncrementalDetokenizer, load_tokenizer
 
@@ -172,10 +173,14 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_cache=kvc.enable_prefix_cache,
                                  hash_seed=kvc.xxh3_128bits_seed, record_events=self.kv_events is not None,
                                  idle_limit=idle_limit)
-        self.scheduler = Scheduler(config.scheduler, self.kv, max_len,
-                                   in_batch_prefix_cache=kvc.enable_prefix_cache and kvc.enable_in_batch_prefix_cache,
-                                   policy=SchedulingPolicy(config.scheduler, config.profile.max_global_ttft_ms),
-                                   latency=latency_targets(config))
+        latency = latency_targets(config)
+
+        def make_scheduler(sched: SchedulerConfig) -> Scheduler:
+            return Scheduler(sched, self.kv, max_len,
+                             in_batch_prefix_cache=kvc.enable_prefix_cache and kvc.enable_in_batch_prefix_cache,
+                             policy=SchedulingPolicy(sched, config.profile.max_global_ttft_ms), latency=latency)
+
+        self.scheduler = make_scheduler(config.scheduler)
         self._worker = (ThreadPoolExecutor(1, thread_name_prefix="heterollm-step")
                         if config.scheduler.enable_schedule_overlap else None)
         """--enable_schedule_overlap: runs the executor's steps; None runs them inline."""
@@ -186,6 +191,12 @@ class LLMEngine:
         self._profiling = False
         self.warmup_shapes = warm_up(self) if config.fastdeploy.use_warmup else []
         """(prompt tokens, tokens generated) of the --use_warmup requests run before serving."""
+        self.token_budget = None
+        """--enable_profile_token_budget: the profiled tokens per step, the scheduler's budget."""
+        if config.profile.enable_profile_token_budget:
+            self.token_budget = profile_token_budget(self)
+            self.scheduler = make_scheduler(config.scheduler.model_copy(
+                update={"max_tokens_per_batch": self.token_budget}))
         self.profiler = StepProfiler() if config.profile.enable_profile_step_time else None
         if self.scheduler.latency is not None:
             if self.profiler is not None:
