@@ -118,6 +118,22 @@ def test_min_tokens_masks_stop_token_ids_too():
     assert generate(logits, p, 10) == [1, 1, 2]
 
 
+def test_bad_words_stay_banned_while_min_tokens_masks_the_stop_tokens():
+    logits = torch.tensor([[9.0, 1.0, 8.0, 7.0]])  # EOS 0, then the bad word 2, then 3
+    p = params(temperature=0, min_tokens=2, all_stop_token_ids=[0], bad_words_token_ids=[[2]])
+    masked = apply_logits_processors(logits.clone(), [row(p)])
+    assert masked.tolist() == [[INF, 1.0, INF, 7.0]]  # both bans at once, neither replaces the other
+    assert generate(logits, p, 10) == [3, 3, 0]
+
+
+def test_a_stop_token_outside_the_logits_is_not_masked():
+    # an EOS id the model's vocabulary does not reach (tokenizers can add tokens past it): no index error,
+    # the in-range stop token is still masked
+    logits = torch.tensor([[1.0, 9.0, 2.0]])
+    p = params(temperature=0, min_tokens=1, all_stop_token_ids=[1, 3, 4])
+    assert apply_logits_processors(logits.clone(), [row(p)]).tolist() == [[1.0, INF, 2.0]]
+
+
 def test_a_row_without_processors_is_left_alone_beside_one_with_them():
     logits = torch.tensor([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]])
     rows = [row(params(temperature=0, bad_words_token_ids=[[2]], logit_bias={0: 5.0})), row(params(temperature=0))]

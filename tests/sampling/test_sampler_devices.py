@@ -44,3 +44,17 @@ def test_sampler_builds_every_tensor_on_the_logits_device(case):
     assert got == expected
     sampled = any(not p.greedy for p in CASES[case])
     assert ("aten.exponential_.default" in dev.ops) == sampled  # the sampling path really ran
+
+
+def test_the_grammar_bitmask_is_applied_on_the_logits_device():
+    # xgrammar fills its bitmask on the CPU; the sampler unpacks it next to the logits. Row 0 allows
+    # tokens 1, 3 and 5 (bits 1, 3, 5 of word 0), row 1 everything (-1), row 2 only token 15.
+    bitmask = torch.tensor([[0b101010], [-1], [1 << 15]], dtype=torch.int32)
+    rows = rows_for([SamplingParams(temperature=0, logprobs=1), SamplingParams(temperature=0)])
+    expected = Sampler()(LOGITS.clone(), rows, bitmask)
+    assert expected[0][0] in (1, 3, 5) and expected[0][1] == int(LOGITS[1].argmax()) and expected[0][2] == 15
+    with DeviceMixingDetector(fake="meta") as dev:
+        got = Sampler()(dev.place(LOGITS.clone()), rows_for([SamplingParams(temperature=0, logprobs=1),
+                                                             SamplingParams(temperature=0)]), bitmask)
+    assert got == expected
+    assert "aten.__rshift__.Tensor" in dev.ops or "aten.bitwise_right_shift.Tensor" in dev.ops
