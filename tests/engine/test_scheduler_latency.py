@@ -25,6 +25,8 @@ def test_step_features_of_a_mixed_step_a_decode_step_and_an_empty_one():
     # decodes only: 11 + (0 + 1) pairs, no prefill (a 1-token query is a decode)
     assert step_features([(1, 10), (1, 0)]) == pytest.approx([1.0, 2, 2, 0.012, 0.0], rel=1e-12)
     assert step_features([]) == [1.0, 0.0, 0.0, 0.0, 0.0]
+    # a 2-token chunk is a prefill: 2 * (0 + 3/2) = 3 pairs
+    assert step_features([(2, 0)]) == pytest.approx([1.0, 2, 1, 0.003, 1.0], rel=1e-12)
 
 
 def test_observe_keeps_the_sample_and_the_relative_error_of_its_prediction():
@@ -132,6 +134,7 @@ def test_describe_the_model_before_and_after_fitting():
     terms = model_with([0.002, 0.00005, 0.0, 0.00001, 0.001])
     assert terms.describe() == ("step-time model: t_ms = 2 + 0.05*tokens + 0*seqs + 0.01*kpairs + 1*prefill "
                                 "(fitted on 0 steps)")
+    assert model_with([0.0999, 0.0, 0.0, 0.0, 0.0]).describe().startswith("step-time model: t_ms = 99.9 + 0*tokens")
     flat = model_with([0.002, 0.0, 0.0, 0.0, 0.0])
     flat.observe([(1, 0)], 0.004)  # error 50%
     flat.observe([(1, 0)], 0.001)  # error 100%

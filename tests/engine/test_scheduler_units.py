@@ -558,6 +558,18 @@ def test_a_request_waits_until_its_grammar_has_compiled_then_queues_in_arrival_o
     assert [r.request_id for r in s.waiting] == ["slow"] and s.deferred == []
 
 
+def test_unfinished_is_any_request_waiting_running_or_deferred_and_finish_finds_each():
+    s = make()
+    assert not s.has_unfinished()
+    put_running(s, req("run", 3), 3, (7,))
+    assert s.has_unfinished()  # running only
+    s.finish("run", "stop")
+    s.add(req("compiling", 3, grammar=SimpleNamespace(ready=False)))
+    assert s.has_unfinished() and list(s.waiting) == []  # deferred only
+    s.finish("compiling", "abort")
+    assert s.deferred == [] and not s.has_unfinished()
+
+
 def test_blocks_adopted_before_a_held_chunk_are_in_the_table():
     # B (40 tokens) has computed 8, its 2 blocks committed; another request holds the first 4 blocks of
     # the same prompt in the cache. Before its 2nd further chunk B adopts blocks 2-3 (positions 8-15);
@@ -574,3 +586,37 @@ def test_blocks_adopted_before_a_held_chunk_are_in_the_table():
     assert shape(s.schedule()) == {"d": (3, 1)}
     assert (b.num_computed_tokens, b.num_cached_tokens, s.kv.hits) == (16, 8, 8)
     assert len(s.kv.tables["B"]) == 4 and s.kv.tables["B"][2:] == s.kv.tables["donor"][2:]
+
+
+def test_a_request_that_needs_every_position_matches_no_cached_prefix():
+    # a's 9 tokens leave blocks 1-4 and 5-8 in the cache; the same prompt asking for prompt logprobs,
+    # or pooled over every position (MEAN), computes all 9; a LAST-pooled one finds 8
+    s = make(prefix=True)
+    s.add(req("a", 9))
+    step(s)
+    s.add(req("plp", 9, prompt_logprobs=0))
+    s.add(req("mean", 9, pooling=SimpleNamespace(needs_every_position=True)))
+    s.add(req("last", 9, pooling=SimpleNamespace(needs_every_position=False)))
+    assert step(s) == {"a": (9, 1), "plp": (0, 9), "mean": (0, 9), "last": (8, 1)}
+
+
+def test_a_ttft_deadline_is_missed_only_once_past_it():
+    clock = Clock(1.5)
+    s = make(clock=clock, max_seqs_per_batch=1)
+    put_running(s, req("busy", 3), 3, (7,))
+    s.add(req("a", 3, ttft_slo_ms=1500))  # due at exactly 1.5 s
+    s.schedule()
+    assert s.num_deadline_missed == 0 and not s.requests["a"].ttft_slo_missed
+    clock.now = 1.625
+    s.schedule()
+    assert s.num_deadline_missed == 1 and s.requests["a"].ttft_slo_missed
+
+
+def test_under_priority_a_request_short_of_blocks_takes_none_from_an_equal_one():
+    # 2 blocks, both held. w and x: priority 3, same arrival (equal rank). w's decode needs a 2nd
+    # block; x is not strictly worse, so w yields itself, and x (after it in the order) still runs
+    s = make(num_blocks=2, priority_strategy="priority")
+    w = put_running(s, req("w", 4, priority=3), 4, (7,))
+    x = put_running(s, req("x", 3, priority=3), 3, (7,))
+    assert shape(s.schedule()) == {"x": (3, 1)}
+    assert (w.num_preemptions, x.num_preemptions) == (1, 0) and list(s.waiting) == [w]
