@@ -24,18 +24,29 @@ TORCH_TRACE_SUFFIX = ".pt.trace.json.gz"
 
 
 class TorchTraceProfiler(TraceProfiler):
-    """torch.profiler (Kineto) over `activities`; stop writes a gzipped Chrome trace."""
+    """torch.profiler (Kineto) over `activities`; stop writes a gzipped Chrome trace. A vendor's
+    torch-style profiler (torch_npu's) overrides `_open` and `_written`."""
 
     def __init__(self, activities: list) -> None:
         self.activities = activities
         self._prof = None
-        self._path: Path | None = None
+        self._stem: Path | None = None
 
-    def start(self, stem: Path) -> None:
+    def _open(self, stem: Path):
+        """A new, not yet started profiler object that records into `stem`."""
         from torch.profiler import profile
 
-        self._path = stem.with_name(stem.name + TORCH_TRACE_SUFFIX)
-        self._prof = profile(activities=self.activities, record_shapes=True)
+        return profile(activities=self.activities, record_shapes=True)
+
+    def _written(self, prof, stem: Path) -> list[Path]:
+        """Write what the stopped `prof` recorded; the paths written."""
+        path = stem.with_name(stem.name + TORCH_TRACE_SUFFIX)
+        prof.export_chrome_trace(str(path))
+        return [path]
+
+    def start(self, stem: Path) -> None:
+        self._stem = stem
+        self._prof = self._open(stem)
         self._prof.start()
 
     def stop(self) -> list[Path]:
@@ -43,8 +54,7 @@ class TorchTraceProfiler(TraceProfiler):
         if prof is None:
             return []
         prof.stop()
-        prof.export_chrome_trace(str(self._path))
-        return [self._path]
+        return self._written(prof, self._stem)
 
 
 def trace_dir(config: HeterollmConfig) -> Path:

@@ -104,3 +104,37 @@ def test_every_tensor_parallel_rank_writes_its_trace(tiny_llama, tmp_path):
     assert [Path(f).name.rsplit("-", 1)[1] for f in files] == ["rank0.pt.trace.json.gz", "rank1.pt.trace.json.gz"]
     for f in files:  # each rank ran its half of the model
         assert FORWARD <= operators(f), f
+
+
+def test_the_npu_profiler_drives_torch_npus_profiler(monkeypatch, tmp_path):
+    """No NPU here: a stand-in torch_npu records what the NPU backend's profiler asks of it (the API
+    of torch_npu.profiler: profile(activities=[CPU, NPU], on_trace_ready=tensorboard_trace_handler(dir)))."""
+    import sys
+    import types
+
+    calls = []
+
+    class Profile:
+        def __init__(self, activities, on_trace_ready, record_shapes):
+            calls.append(("profile", tuple(activities), on_trace_ready, record_shapes))
+
+        def start(self):
+            calls.append(("start",))
+
+        def stop(self):
+            calls.append(("stop",))
+
+    profiler = types.SimpleNamespace(profile=Profile, ProfilerActivity=types.SimpleNamespace(CPU="cpu", NPU="npu"),
+                                     tensorboard_trace_handler=lambda folder: ("handler", folder))
+    monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(profiler=profiler))
+    from heterollm_npu.platform import NpuPlatform
+
+    platform = NpuPlatform()
+    assert set(platform.profilers) == {"torch"}
+    with pytest.raises(ValueError, match="--profile_backend=ascend: the npu platform offers torch"):
+        platform.trace_profiler("ascend")
+    prof = platform.trace_profiler("torch")
+    prof.start(tmp_path / "heterollm-x-rank0")
+    assert prof.stop() == [tmp_path / "heterollm-x-rank0"] and prof.stop() == []
+    assert calls == [("profile", ("cpu", "npu"), ("handler", str(tmp_path / "heterollm-x-rank0")), True),
+                     ("start",), ("stop",)]

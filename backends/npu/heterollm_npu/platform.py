@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from heterollm.interfaces import TraceProfiler
+from heterollm.profiling import TorchTraceProfiler
 from heterollm.model_executor.device_backend import ExtensionPlatform
 
 
@@ -25,25 +26,18 @@ class NpuPlatform(ExtensionPlatform):
         return NpuTraceProfiler()
 
 
-class NpuTraceProfiler(TraceProfiler):
+class NpuTraceProfiler(TorchTraceProfiler):
     """torch_npu's profiler over CPU and NPU; torch_npu writes its own result folder at stop."""
 
     def __init__(self) -> None:
-        self._prof = None
-        self._folder: Path | None = None
+        super().__init__([])
 
-    def start(self, stem: Path) -> None:
+    def _open(self, stem: Path):
         import torch_npu
 
         prof = torch_npu.profiler
-        self._folder = stem
-        self._prof = prof.profile(activities=[prof.ProfilerActivity.CPU, prof.ProfilerActivity.NPU],
-                                  on_trace_ready=prof.tensorboard_trace_handler(str(stem)), record_shapes=True)
-        self._prof.start()
+        return prof.profile(activities=[prof.ProfilerActivity.CPU, prof.ProfilerActivity.NPU],
+                            on_trace_ready=prof.tensorboard_trace_handler(str(stem)), record_shapes=True)
 
-    def stop(self) -> list[Path]:
-        prof, self._prof = self._prof, None
-        if prof is None:
-            return []
-        prof.stop()
-        return [self._folder]
+    def _written(self, prof, stem: Path) -> list[Path]:
+        return [stem]  # the handler wrote the folder when the profiler stopped
