@@ -53,6 +53,14 @@ def test_the_model_keeps_only_the_last_window_steps():
     assert list(fitted.abs_errors) == pytest.approx([0.5, 0.75], rel=1e-12)
 
 
+def test_by_default_the_model_keeps_the_last_256_steps():
+    """README: "fitted by least squares over the last 256 steps"."""
+    model = StepTimeModel()
+    for i in range(300):
+        model.observe([(1 + i % 3, 0)], 0.001 * (1 + i % 3))
+    assert len(model.samples) == 256 and model.samples[0][1] == 0.001 * (1 + 44 % 3)
+
+
 def test_it_refits_on_every_step_until_ready_then_every_refit_every_steps():
     model = StepTimeModel(refit_every=3)
     fits = []
