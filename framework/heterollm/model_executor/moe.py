@@ -1,0 +1,231 @@
+"""Mixture-of-experts layers the MoE families share: the experts' weights stacked on each rank, the
+router, the sparse block that replaces the dense MLP, and the checkpoint-name mapping that loads
+experts through the parameters' weight loaders.
+
+Tensor parallelism shards every expert's intermediate dimension, as the dense MLP does: gate and up
+rows (column-parallel), down columns (row-parallel). The block sums its routed experts (the
+`fused_moe` op, which a backend may replace) and its shared expert on each rank, then all-reduces
+once. The router and the shared expert's gate are replicated."""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from heterollm.model_executor import ops
+from heterollm.model_executor.layers import MergedColumnParallelLinear, RowParallelLinear, _copy
+from heterollm.model_executor.parallel import ParallelContext
+
+
+class FusedMoE(nn.Module):
+    """`num_experts` SiLU-gated experts: w13 (experts, 2 * inter / tp, hidden), each expert's gate rows
+    then its up rows; w2 (experts, hidden, inter / tp).
+
+    `weight_loader(param, tensor, expert, shard)` takes one expert's checkpoint tensor (gate or up
+    (inter, hidden): shard 0 / 1 of w13; down (hidden, inter): w2, shard 0), or, with expert None,
+    all experts stacked along a first dimension (transformers' fused `gate_up_proj` split into its
+    gate and up halves, or `down_proj`). It keeps this rank's slice, so a lazy checkpoint window
+    (`--load_choices default_v1`) reads only that. `param.num_shards` counts the (expert, shard)
+    parts a complete parameter receives."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, pctx: ParallelContext) -> None:
+        super().__init__()
+        self.pctx = pctx
+        self.num_experts = num_experts
+        self.inter = pctx.shard(intermediate, "moe intermediate size")
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.inter), requires_grad=False)
+        self.w13.weight_loader, self.w13.num_shards = self._load_w13, 2 * num_experts
+        self.w2.weight_loader, self.w2.num_shards = self._load_w2, num_experts
+
+    def _rank_slice(self, loaded: Any, dim: int) -> Any:
+        if loaded.shape[dim] != self.inter * self.pctx.tp_size:
+            raise ValueError(f"shape mismatch: experts' intermediate size {self.inter * self.pctx.tp_size}, "
+                             f"checkpoint {tuple(loaded.shape)}")
+        return loaded.narrow(dim, self.pctx.tp_rank * self.inter, self.inter)
+
+    def _target(self, param: nn.Parameter, expert: int | None) -> torch.Tensor:
+        return param.data if expert is None else param.data[expert]
+
+    def _load_w13(self, param: nn.Parameter, loaded: Any, expert: int | None, shard: int) -> None:
+        rows = self._rank_slice(loaded, 0 if expert is not None else 1)
+        target = self._target(param, expert)
+        _copy(target.narrow(-2, shard * self.inter, self.inter), rows)
+
+    def _load_w2(self, param: nn.Parameter, loaded: Any, expert: int | None, shard: int = 0) -> None:
+        _copy(self._target(param, expert), self._rank_slice(loaded, -1))
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum of the routed experts (not reduced)."""
+        return ops.get("fused_moe")(x, self.w13, self.w2, topk_weights, topk_ids)
+
+
+class Router(nn.Module):
+    """A replicated (out, hidden) projection without bias, in plain F.linear as transformers computes
+    it: the router's logits, or the shared expert's gate."""
+
+    def __init__(self, hidden: int, out: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out, hidden), requires_grad=False)
+        self.weight.weight_loader = _copy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool,
+                 weights_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, expert ids), each (tokens, top_k): softmax over all experts in fp32, the top k, divided
+    by their sum when `renormalize` (Mixtral always; Qwen-MoE with norm_topk_prob), then cast to
+    `weights_dtype` (None: kept in fp32, as Mixtral's router leaves them)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return (weights if weights_dtype is None else weights.to(weights_dtype)), ids
+
+
+class SparseMoeBlock(nn.Module):
+    """Router, routed experts and (Qwen2-MoE) a shared expert scaled by a sigmoid gate, in place of the
+    dense MLP. Subclasses set how the config names its sizes and how routing weights are formed."""
+
+    renormalize_always = False
+    """Mixtral: the top-k weights are always divided by their sum; Qwen-MoE: when norm_topk_prob."""
+    fp32_weights = False
+    """Mixtral keeps the routing weights in fp32; Qwen-MoE casts them to the activations' dtype."""
+
+    def __init__(self, cfg: Any, pctx: ParallelContext) -> None:
+        super().__init__()
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (silu only)")
+        self.pctx = pctx
+        self.top_k = int(cfg.num_experts_per_tok)
+        self.renormalize = self.renormalize_always or bool(getattr(cfg, "norm_topk_prob", False))
+        num_experts = self.num_experts(cfg)
+        if not 0 < self.top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={self.top_k} must be between 1 and the {num_experts} experts")
+        self.gate = Router(cfg.hidden_size, num_experts)
+        self.experts = FusedMoE(num_experts, cfg.hidden_size, self.expert_intermediate(cfg), pctx)
+        shared = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
+        self.shared_expert = SharedExpert(cfg.hidden_size, shared, pctx) if shared else None
+        self.shared_expert_gate = Router(cfg.hidden_size, 1) if shared else None
+
+    @staticmethod
+    def num_experts(cfg: Any) -> int:
+        return int(cfg.num_experts)
+
+    @staticmethod
+    def expert_intermediate(cfg: Any) -> int:
+        return int(cfg.moe_intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = softmax_topk(self.gate(x), self.top_k, self.renormalize,
+                                    None if self.fp32_weights else x.dtype)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:  # the gate is per token and replicated: apply it before the reduce
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.pctx.all_reduce(out)
+
+
+class SharedExpert(nn.Module):
+    """A dense SiLU MLP every token goes through; its down projection is left unreduced, so the block
+    reduces routed and shared experts together."""
+
+    def __init__(self, hidden: int, intermediate: int, pctx: ParallelContext) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, False, pctx)
+        self.down_proj = RowParallelLinear(intermediate, hidden, False, pctx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj.matmul(ops.get("silu_and_mul")(*self.gate_up_proj(x)), None)
+
+
+def is_sparse_layer(cfg: Any, idx: int) -> bool:
+    """Qwen2-MoE / Qwen3-MoE: layer `idx` is sparse unless `mlp_only_layers` lists it, there are no
+    experts, or it falls between `decoder_sparse_step` strides (transformers' own test)."""
+    step = getattr(cfg, "decoder_sparse_step", 1) or 1
+    return (idx not in (getattr(cfg, "mlp_only_layers", None) or []) and int(getattr(cfg, "num_experts", 0)) > 0
+            and (idx + 1) % step == 0)
+
+
+_PER_EXPERT = re.compile(r"^(?P<block>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+_FUSED = re.compile(r"^(?P<block>.+)\.experts\.(?P<proj>gate_up_proj|down_proj)$")
+
+
+class MoeWeightsMixin:
+    """`load_weights` for a LlamaForCausalLM subclass whose sparse blocks hold FusedMoE experts: expert
+    tensors go to the stacked parameters (per-expert names as `save_pretrained` writes them, or
+    transformers' fused 3-D `gate_up_proj` / `down_proj`); everything else to the base loader."""
+
+    expert_projections = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
+    """Per-expert checkpoint projection -> (stacked parameter, shard)."""
+    block_aliases: dict[str, str] = {}
+    """Checkpoint module names -> this model's (Mixtral's `block_sparse_moe` -> `mlp`)."""
+
+    def launch_refused(self, flag: str | None, checkpoint_quant: Any, gguf_file: Any) -> str | None:
+        """Why this model cannot launch as asked (None: it can). The linear methods of `--quantization`
+        cover linear layers only; the experts, most of an MoE model's weights, would stay in float
+        while the launch claimed quantization. A quantized checkpoint's packed experts, and a GGUF
+        file's expert tensors, have no loader yet."""
+        if not any(isinstance(m, FusedMoE) for m in self.modules()):  # type: ignore[attr-defined]
+            return None
+        arch = type(self).__name__
+        if flag:
+            return (f"--quantization={flag}: {arch} has mixture-of-experts layers, and quantized expert "
+                    f"weights are not supported yet (the linear methods would quantize attention only and "
+                    f"leave the experts in float); launch without --quantization")
+        if checkpoint_quant is not None:
+            return (f"--model: a {checkpoint_quant.describe()} checkpoint of {arch}: quantized "
+                    f"mixture-of-experts weights are not supported yet; use a float checkpoint")
+        if gguf_file is not None:
+            return (f"--model: {gguf_file}: GGUF files of mixture-of-experts models ({arch}) are not loaded "
+                    f"yet; use the Hugging Face safetensors folder")
+        return None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters(remove_duplicate=False))  # type: ignore[attr-defined]
+        parts: dict[str, set[tuple[int, int]]] = {}
+
+        def others() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                for old, new in self.block_aliases.items():
+                    name = name.replace(f".{old}.", f".{new}.")
+                target = self._expert_target(name, tensor, params, parts)
+                if not target:
+                    yield name, tensor
+
+        loaded = super().load_weights(others())  # type: ignore[misc]
+        return loaded | {n for n, got in parts.items() if len(got) == params[n].num_shards}
+
+    def _expert_target(self, name: str, tensor: Any, params: dict[str, nn.Parameter],
+                       parts: dict[str, set[tuple[int, int]]]) -> bool:
+        """Load `name` if it is an expert tensor; False if it is not one."""
+        if m := _PER_EXPERT.match(name):
+            if m["proj"] not in self.expert_projections:
+                raise KeyError(name)
+            stacked, shard = self.expert_projections[m["proj"]]
+            expert = int(m["expert"])
+            todo = [(expert, shard, tensor)]
+        elif m := _FUSED.match(name):
+            stacked = "w13" if m["proj"] == "gate_up_proj" else "w2"
+            halves = tensor.chunk(2, dim=1) if stacked == "w13" else (tensor,)
+            todo = [(None, shard, half) for shard, half in enumerate(halves)]
+        else:
+            return False
+        target = f"{m['block']}.experts.{stacked}"
+        param = params.get(target)
+        if param is None:
+            raise KeyError(name)
+        num_experts = param.shape[0]
+        for expert, shard, part in todo:
+            if expert is not None and expert >= num_experts:
+                raise KeyError(name)
+            param.weight_loader(param, part.to(param.dtype), expert, shard)
+            got = range(num_experts) if expert is None else (expert,)
+            parts.setdefault(target, set()).update((e, shard) for e in got)
+        return True

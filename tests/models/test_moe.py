@@ -1,0 +1,231 @@
+"""Mixture-of-experts families (Qwen2-MoE with its shared expert, Qwen3-MoE, Mixtral) against
+transformers on tiny random configs: greedy tokens identical and logprobs within 1e-3 (fp32) on a
+batch of prompts whose tokens spread unevenly over the experts; Qwen-MoE's dense layers
+(`mlp_only_layers`, `decoder_sparse_step`); `--load_choices default_v1` and transformers' fused
+3-D expert tensors load the same parameters, rank by rank; `--quantization` is refused with its
+reason; and the `fused_moe` op against a plain per-token loop written here."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from helpers import MOE_FAMILIES, build_tiny_model, hf_greedy, hf_logprobs
+from heterollm import LLM, SamplingParams
+from heterollm.config import ConfigError
+from heterollm.model_executor import ops
+from heterollm.model_executor.checkpoint_slice import ReadStats
+from heterollm.model_executor.loader import iter_weights, resolve_model
+from heterollm.model_executor.models.llama import MLP
+from heterollm.model_executor.moe import SparseMoeBlock
+from heterollm.model_executor.parallel import ParallelContext
+from heterollm.plugins import get_registry
+
+PROMPTS = [[1, 20, 30, 40, 50], list(range(100, 137)), [7, 7, 7], list(range(500, 700, 3)), [42]]
+NEW = 16
+VARIANTS = {
+    "qwen2_moe": ("qwen2_moe", {}),
+    "qwen3_moe": ("qwen3_moe", {}),
+    "mixtral": ("mixtral", {}),
+    # layer 0 dense (listed in mlp_only_layers), layer 1 sparse; renormalized top-k
+    "qwen2_moe-dense0": ("qwen2_moe", {"mlp_only_layers": [0], "norm_topk_prob": True}),
+    # only every second layer sparse: layer 0 dense, layer 1 sparse; top-k weights not renormalized
+    "qwen3_moe-step2": ("qwen3_moe", {"decoder_sparse_step": 2, "norm_topk_prob": False}),
+}
+DENSE_LAYERS = {"qwen2_moe-dense0": {0}, "qwen3_moe-step2": {0}}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def moe_model(request, tmp_path_factory):
+    family, overrides = VARIANTS[request.param]
+    folder = build_tiny_model(tmp_path_factory.mktemp(request.param), family, **overrides)
+    return request.param, folder, hf_greedy(folder, PROMPTS, NEW)
+
+
+def hf_expert_counts(folder) -> list[torch.Tensor]:
+    """transformers' own routing of all the prompts' tokens: tokens per expert, per sparse layer."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    k, counts = model.config.num_experts_per_tok, []
+    with torch.no_grad():
+        per_prompt = [model(torch.tensor([ids]), output_router_logits=True).router_logits for ids in PROMPTS]
+    for layer in zip(*per_prompt):
+        logits = torch.cat([t.reshape(-1, t.shape[-1]) for t in layer])
+        counts.append(torch.bincount(logits.topk(k, dim=-1).indices.flatten(), minlength=logits.shape[-1]))
+    return counts
+
+
+@pytest.mark.parametrize("mode", ["default", "small_chunks"])
+def test_greedy_matches_transformers(moe_model, mode):
+    name, folder, expected = moe_model
+    flags = {"dtype": "float32", "block_size": 16, "num_gpu_blocks_override": 128,
+             **({"max_tokens_per_chunk_for_prefill": 8, "max_tokens_per_batch": 24} if mode == "small_chunks" else {})}
+    llm = LLM(str(folder), **flags)
+    model = llm.engine.executor.runner.model
+    dense = {i for i, layer in enumerate(model.model.layers) if type(layer.mlp) is MLP}
+    assert dense == DENSE_LAYERS.get(name, set())
+    assert all(isinstance(layer.mlp, SparseMoeBlock) for i, layer in enumerate(model.model.layers) if i not in dense)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == expected, f"{name} / {mode}"
+    if mode == "default":  # the batch really routes unevenly (transformers' router says so)
+        for counts in hf_expert_counts(folder):
+            assert counts.sum() == sum(map(len, PROMPTS)) * llm.engine.executor.runner.source.hf_config.num_experts_per_tok
+            assert counts.max() > counts.min()
+
+
+def test_logprobs_match_transformers(moe_model):
+    name, folder, _ = moe_model
+    llm = LLM(str(folder), dtype="float32", block_size=8, num_gpu_blocks_override=128,
+              max_tokens_per_chunk_for_prefill=16)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    outs = llm.generate(PROMPTS[:4], params)
+    for prompt, out in zip(PROMPTS, outs):
+        gen = out.outputs[0].token_ids
+        ref = hf_logprobs(folder, prompt + gen)
+        for j, lp in enumerate(out.outputs[0].logprobs):
+            row = ref[len(prompt) - 1 + j]
+            assert lp.token_id == gen[j] and lp.rank == 1
+            assert abs(lp.logprob - row[gen[j]].item()) < 1e-3, name
+            assert [t for t, _ in lp.top] == row.topk(3).indices.tolist()
+        for pos in range(1, len(prompt)):
+            assert abs(out.prompt_logprobs[pos].logprob - ref[pos - 1][prompt[pos]].item()) < 1e-3, name
+
+
+def test_quantization_is_refused_with_its_reason(moe_model):
+    name, folder, _ = moe_model
+    for flag in ("wint8", "wint4"):
+        with pytest.raises(ConfigError, match=rf"--quantization={flag}: .*mixture-of-experts layers.*experts in float"):
+            LLM(str(folder), dtype="float32", num_gpu_blocks_override=16, quantization=flag)
+
+
+
+def test_gguf_and_quantized_checkpoints_are_refused(tmp_path):
+    """Their expert tensors have no loader yet: the launch says so instead of reporting missing weights."""
+    folder = build_tiny_model(tmp_path / "qwen3_moe", "qwen3_moe")
+    source = resolve_model(str(folder))
+    model = get_registry().get("models", source.architectures[0], family="core").obj(
+        source.hf_config, ParallelContext(), 64)
+
+    class Gptq:
+        def describe(self):
+            return "GPTQ 4-bit"
+
+    assert model.launch_refused(None, None, None) is None
+    assert "GGUF files of mixture-of-experts models (Qwen3MoeForCausalLM)" in model.launch_refused(
+        None, None, tmp_path / "m.gguf")
+    assert "a GPTQ 4-bit checkpoint of Qwen3MoeForCausalLM" in model.launch_refused(None, Gptq(), None)
+
+# -- loading: default_v1 windows and fused expert tensors, rank by rank ---------------------------
+def _load(folder, load_choices, tp_rank=0, tp_size=1):
+    source = resolve_model(str(folder))
+    cls = get_registry().get("models", source.architectures[0], family="core").obj
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        model = cls(source.hf_config, ParallelContext(tp_rank, tp_size), 128)
+    finally:
+        torch.set_default_dtype(previous)
+    stats = ReadStats()
+    loaded = model.load_weights(iter_weights(source, load_choices, stats))
+    assert loaded == {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    return dict(model.named_parameters(remove_duplicate=False)), stats
+
+
+def _same_parameters(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+def test_default_v1_loads_the_same_parameters_on_every_rank(tmp_path, family):
+    folder = build_tiny_model(tmp_path / family, family)
+    default, _ = _load(folder, "default")
+    v1, stats = _load(folder, "default_v1")
+    _same_parameters(v1, default)
+    assert stats.read == stats.stored
+    for rank in range(2):
+        default, full = _load(folder, "default", rank, 2)
+        v1, shard = _load(folder, "default_v1", rank, 2)
+        _same_parameters(v1, default)
+        assert shard.stored == full.stored
+        # the experts are halved with the other projections: a rank reads about half the bytes
+        assert 0.5 * full.stored <= shard.read < 0.65 * full.stored
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_fused_3d_expert_tensors_load_like_per_expert_ones(tmp_path, family):
+    """transformers keeps experts as gate_up_proj (experts, 2 * inter, hidden) and down_proj (experts,
+    hidden, inter); a checkpoint written that way loads the same parameters, on each of two ranks."""
+    folder = build_tiny_model(tmp_path / family, family)
+    fused_folder = tmp_path / "fused"
+    fused_folder.mkdir()
+    names = {"qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+             "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}[family]
+    block, gate, up, down = names
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as handle:
+        state = {name: handle.get_tensor(name) for name in handle.keys()}
+    fused, layers = {}, {int(n.split(".")[2]) for n in state if ".experts." in n}
+    num_experts = 1 + max(int(n.split(".experts.")[1].split(".")[0]) for n in state if ".experts." in n)
+    for name, tensor in state.items():
+        if ".experts." not in name:
+            fused[name] = tensor
+    for i in layers:
+        p = f"model.layers.{i}.{block}.experts"
+        fused[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([state[f"{p}.{e}.{gate}.weight"], state[f"{p}.{e}.{up}.weight"]]) for e in range(num_experts)])
+        fused[f"model.layers.{i}.mlp.experts.down_proj"] = torch.stack(
+            [state[f"{p}.{e}.{down}.weight"] for e in range(num_experts)])
+    save_file(fused, str(fused_folder / "model.safetensors"), metadata={"format": "pt"})
+    for f in folder.iterdir():
+        if f.name != "model.safetensors":
+            (fused_folder / f.name).write_bytes(f.read_bytes())
+    for tp_size in (1, 2):
+        for rank in range(tp_size):
+            want, _ = _load(folder, "default", rank, tp_size)
+            for choice in ("default", "default_v1"):
+                got, _ = _load(fused_folder, choice, rank, tp_size)
+                _same_parameters(got, want)
+
+
+# -- the op ---------------------------------------------------------------------------------------
+def per_token_reference(x, w13, w2, weights, ids):
+    """out[t] = sum over t's choices (e, w) of w * down_e(silu(gate_e x[t]) * up_e x[t]), token by token."""
+    inter = w13.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            xt = x[t].double()
+            g = w13[e, :inter].double() @ xt
+            u = w13[e, inter:].double() @ xt
+            out[t] += float(weights[t, j]) * (w2[e].double() @ (F.silu(g) * u))
+    return out
+
+
+def test_fused_moe_op_equals_a_per_token_loop():
+    gen = torch.Generator().manual_seed(0)
+    tokens, hidden, inter, experts, k = 23, 16, 8, 6, 2
+    x = torch.randn(tokens, hidden, generator=gen)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.3
+    w2 = torch.randn(experts, hidden, inter, generator=gen) * 0.3
+    # uneven by construction: expert 0 takes most tokens, expert 5 none, a token may pick 0 twice over
+    ids = torch.randint(0, 5, (tokens, k), generator=gen)
+    ids[: tokens // 2, 0] = 0
+    weights = torch.rand(tokens, k, generator=gen)
+    assert 5 not in ids
+    fused = ops.get("fused_moe")
+    got = fused(x, w13, w2, weights, ids)
+    assert got.shape == x.shape and got.dtype == x.dtype
+    torch.testing.assert_close(got.double(), per_token_reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+    # one token, one choice: decode with top-1
+    one = fused(x[:1], w13, w2, weights[:1, :1], ids[:1, :1])
+    torch.testing.assert_close(one.double(), per_token_reference(x[:1], w13, w2, weights[:1, :1], ids[:1, :1]),
+                               rtol=1e-5, atol=1e-5)
+    # bf16 activations with fp32 routing weights (Mixtral's): bf16 out, close to the exact value
+    got16 = fused(x.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights, ids)
+    assert got16.dtype == torch.bfloat16
+    ref16 = per_token_reference(x.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights, ids)
+    torch.testing.assert_close(got16.double(), ref16, rtol=3e-2, atol=3e-2)
