@@ -134,8 +134,12 @@ def test_disabled_whitespace_allows_none(manager, tok):
     assert plain.disable_any_whitespace is False  # the default manager leaves a request as it came
 
 
-def test_json_object_is_any_object_and_only_an_object(manager):
-    grammar = manager.compile(StructuredOutputsParams(json_object=True)).result()
+def test_json_object_is_any_object_and_only_an_object(tok):
+    fresh = StructuredOutputManager(tok, len(tok), [tok.eos_token_id])  # compiled here, not taken from a cache
+    try:
+        grammar = fresh.compile(StructuredOutputsParams(json_object=True)).result()
+    finally:
+        fresh.shutdown()
     for text in ('{}', '{"a": [1, {"b": null}]}', '{ "x" : "y" }'):
         assert accepts(grammar, text), text
     for text in ('[1]', '5', '"s"', "{" + " " * 25 + "}"):
