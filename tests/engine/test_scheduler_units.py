@@ -620,3 +620,25 @@ def test_under_priority_a_request_short_of_blocks_takes_none_from_an_equal_one()
     x = put_running(s, req("x", 3, priority=3), 3, (7,))
     assert shape(s.schedule()) == {"x": (3, 1)}
     assert (w.num_preemptions, x.num_preemptions) == (1, 0) and list(s.waiting) == [w]
+
+
+def test_by_default_blocks_are_shared_only_once_a_step_is_done():
+    cfg = load_config([], overrides={}).config
+    s = Scheduler(cfg.scheduler, KVCacheManager(64, 4, enable_prefix_cache=True), 256)
+    s.add(req("a", 9)), s.add(req("b", 9))
+    assert shape(s.schedule()) == {"a": (0, 9), "b": (0, 9)}  # not in-batch: b finds nothing yet
+
+
+def test_a_chunk_size_of_one():
+    s = make(max_tokens_per_chunk_for_prefill=1)
+    s.add(req("a", 3))
+    assert [step(s) for _ in range(4)] == [{"a": (0, 1)}, {"a": (1, 1)}, {"a": (2, 1)}, {"a": (3, 1)}]
+
+
+def test_deferred_requests_count_toward_the_queue_size():
+    s = make(request_queue_size=2)
+    s.add(req("waits", 3))
+    s.add(req("compiles", 3, grammar=SimpleNamespace(ready=False)))
+    with pytest.raises(RequestRejected, match="request queue is full") as info:
+        s.add(req("third", 3))
+    assert info.value.status == 429
