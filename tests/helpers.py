@@ -25,7 +25,7 @@ VARIANT_FAMILIES = {  # sliding-window families: tests/models/test_family_varian
 MOE_FAMILIES = {  # mixture-of-experts families: tests/models/test_moe.py (4-8 experts, top-2, small experts)
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                   {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                   "shared_expert_intermediate_size": 48, "norm_topk_prob": False}),
+                   "shared_expert_intermediate_size": 64, "norm_topk_prob": False}),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 16,
                    "norm_topk_prob": True}),

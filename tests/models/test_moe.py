@@ -2,8 +2,8 @@
 transformers on tiny random configs: greedy tokens identical and logprobs within 1e-3 (fp32) on a
 batch of prompts whose tokens spread unevenly over the experts; Qwen-MoE's dense layers
 (`mlp_only_layers`, `decoder_sparse_step`); `--load_choices default_v1` and transformers' fused
-3-D expert tensors load the same parameters, rank by rank; `--quantization` is refused with its
-reason; and the `fused_moe` op against a plain per-token loop written here."""
+3-D expert tensors load the same parameters, rank by rank; `--quantization` covers the experts;
+quantized and GGUF checkpoints are refused with the reason; and the `fused_moe` op against a plain per-token loop written here."""
 from __future__ import annotations
 
 import pytest
@@ -17,9 +17,10 @@ from heterollm import LLM, SamplingParams
 from heterollm.config import ConfigError
 from heterollm.model_executor import ops
 from heterollm.model_executor.checkpoint_slice import ReadStats
+from heterollm.model_executor.linear_method import state_bytes
 from heterollm.model_executor.loader import iter_weights, resolve_model
 from heterollm.model_executor.models.llama import MLP
-from heterollm.model_executor.moe import SparseMoeBlock
+from heterollm.model_executor.moe import FusedMoE, SparseMoeBlock
 from heterollm.model_executor.parallel import ParallelContext
 from heterollm.plugins import get_registry
 
@@ -93,12 +94,54 @@ def test_logprobs_match_transformers(moe_model):
             assert abs(out.prompt_logprobs[pos].logprob - ref[pos - 1][prompt[pos]].item()) < 1e-3, name
 
 
-def test_quantization_is_refused_with_its_reason(moe_model):
-    name, folder, _ = moe_model
-    for flag in ("wint8", "wint4"):
-        with pytest.raises(ConfigError, match=rf"--quantization={flag}: .*mixture-of-experts layers.*experts in float"):
-            LLM(str(folder), dtype="float32", num_gpu_blocks_override=16, quantization=flag)
+@pytest.mark.parametrize("flag", ["wint8", "wint4"])
+def test_quantization_covers_the_experts(moe_model, flag):
+    """--quantization wint8 / wint4 prepares every expert with the flag's linear method (no float copy
+    left), the weights shrink accordingly, and greedy decoding stays near transformers' fp32 choice."""
+    name, folder, expected = moe_model
+    float_bytes = LLM(str(folder), dtype="float32", num_gpu_blocks_override=16).engine.executor.runner.weight_bytes
+    llm = LLM(str(folder), dtype="float32", num_gpu_blocks_override=64, quantization=flag)
+    runner = llm.engine.executor.runner
+    experts = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+    assert experts and all(m.method.name == flag and m.w13.numel() == 0 and m.w2.numel() == 0 for m in experts)
+    codes = experts[0].states13[0][0]
+    assert codes.dtype == (torch.int8 if flag == "wint8" else torch.uint8)
+    float_experts = sum(4 * m.num_experts * 3 * m.inter * runner.model.config.hidden_size for m in experts)
+    quantized_experts = sum(state_bytes(m.state) for m in experts)
+    # codes of 1 byte (wint8) or half a byte (wint4) per fp32 weight, plus scales; counted in weight_bytes
+    assert quantized_experts < float_experts * (0.3 if flag == "wint8" else 0.2)
+    assert runner.weight_bytes <= float_bytes - (float_experts - quantized_experts)
+    outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs):
+        ref = hf_logprobs(folder, prompt)[-1]
+        assert ref.max().item() - ref[out.outputs[0].token_ids[0]].item() < 0.3, name
 
+
+@pytest.mark.parametrize("flag", ["wint8", "wint4"])
+def test_quantized_experts_compute_with_their_dequantized_weights(flag):
+    """The quantized path is the same expert math: a FusedMoE on the CPU backend's wint8 / wint4 method
+    equals the per-token loop on the weights that method represents (read back by multiplying the
+    identity), and stays near the float weights."""
+    from heterollm_cpu.linear import WeightOnlyInt4, WeightOnlyInt8
+    method = {"wint8": WeightOnlyInt8, "wint4": WeightOnlyInt4}[flag]()
+    gen = torch.Generator().manual_seed(1)
+    tokens, hidden, inter, experts, k = 19, 64, 32, 4, 2
+    layer = FusedMoE(experts, hidden, inter, ParallelContext())
+    layer.w13.data.copy_(torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.2)
+    layer.w2.data.copy_(torch.randn(experts, hidden, inter, generator=gen) * 0.2)
+    w13, w2 = layer.w13.data.clone(), layer.w2.data.clone()
+    x = torch.randn(tokens, hidden, generator=gen)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=gen)
+    layer.prepare(method)
+
+    def dequantized(states, rows, cols):
+        return torch.stack([method.apply(st, torch.eye(cols), None).t() for st in states])
+
+    d13, d2 = dequantized(layer.states13, 2 * inter, hidden), dequantized(layer.states2, hidden, inter)
+    assert not torch.equal(d13, w13) and (d13 - w13).abs().max() < (0.02 if flag == "wint8" else 0.1)
+    got = layer(x, weights, ids)
+    torch.testing.assert_close(got.double(), per_token_reference(x, d13, d2, weights, ids), rtol=1e-4, atol=1e-4)
 
 
 def test_gguf_and_quantized_checkpoints_are_refused(tmp_path):

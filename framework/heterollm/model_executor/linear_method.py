@@ -136,7 +136,9 @@ def state_bytes(state: Any) -> int:
 
 
 def model_bytes(model: nn.Module) -> int:
-    """Weight memory of a loaded model: its parameters (each counted once) plus prepared states."""
+    """Weight memory of a loaded model: its parameters (each counted once) plus prepared states (of the
+    linear layers, and of modules that set `prepared_experts`: MoE experts under --quantization)."""
     params = {id(p): p for p in model.parameters()}.values()
     total = sum(p.numel() * p.element_size() for p in params)
-    return total + sum(state_bytes(m.state) for m in model.modules() if isinstance(m, LinearBase))
+    return total + sum(state_bytes(m.state) for m in model.modules()
+                       if isinstance(m, LinearBase) or getattr(m, "prepared_experts", False))

@@ -5,7 +5,8 @@ experts through the parameters' weight loaders.
 Tensor parallelism shards every expert's intermediate dimension, as the dense MLP does: gate and up
 rows (column-parallel), down columns (row-parallel). The block sums its routed experts (the
 `fused_moe` op, which a backend may replace) and its shared expert on each rank, then all-reduces
-once. The router and the shared expert's gate are replicated."""
+once. The router and the shared expert's gate are replicated. Under `--quantization` each expert's
+weights go through the flag's linear method (`prepare_experts`), as every linear layer's do."""
 from __future__ import annotations
 
 import re
@@ -59,9 +60,39 @@ class FusedMoE(nn.Module):
     def _load_w2(self, param: nn.Parameter, loaded: Any, expert: int | None, shard: int = 0) -> None:
         _copy(self._target(param, expert), self._rank_slice(loaded, -1))
 
+    prepared_experts = True
+    """`model_bytes` counts `state`."""
+    method: Any = None
+    """The linear method `--quantization` selected, once `prepare` moved the experts onto it."""
+
+    def prepare(self, method: Any) -> None:
+        """Each expert's gate/up and down weights through `method.prepare` (int8 / int4 codes and scales
+        for wint8 / wint4), as `prepare_linears` does for a linear layer; the float copies are released."""
+        self.states13 = [method.prepare(w.contiguous()) for w in self.w13.data]
+        self.states2 = [method.prepare(w.contiguous()) for w in self.w2.data]
+        self.method = method
+        for param in (self.w13, self.w2):
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+    @property
+    def state(self) -> list[Any]:
+        """The prepared states (what `model_bytes` counts); empty while the experts are float."""
+        return self.states13 + self.states2 if self.method is not None else []
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of the routed experts (not reduced)."""
+        if self.method is not None:
+            return ops.get("fused_moe")(x, self.states13, self.states2, topk_weights, topk_ids, self.method)
         return ops.get("fused_moe")(x, self.w13, self.w2, topk_weights, topk_ids)
+
+
+def prepare_experts(model: nn.Module, method: Any) -> int:
+    """`--quantization` on the experts: every FusedMoE of `model` onto `method` (the linear method the
+    flag selected); returns how many it prepared."""
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    for layer in layers:
+        layer.prepare(method)
+    return len(layers)
 
 
 class Router(nn.Module):
@@ -168,20 +199,16 @@ class MoeWeightsMixin:
     """Checkpoint module names -> this model's (Mixtral's `block_sparse_moe` -> `mlp`)."""
 
     def launch_refused(self, flag: str | None, checkpoint_quant: Any, gguf_file: Any) -> str | None:
-        """Why this model cannot launch as asked (None: it can). The linear methods of `--quantization`
-        cover linear layers only; the experts, most of an MoE model's weights, would stay in float
-        while the launch claimed quantization. A quantized checkpoint's packed experts, and a GGUF
-        file's expert tensors, have no loader yet."""
+        """Why this model cannot launch as asked (None: it can): a quantized checkpoint's packed experts,
+        and a GGUF file's expert tensors, have no loader yet. (`--quantization` is fine: the runner
+        prepares the experts with the flag's linear method, `prepare_experts`.)"""
         if not any(isinstance(m, FusedMoE) for m in self.modules()):  # type: ignore[attr-defined]
             return None
         arch = type(self).__name__
-        if flag:
-            return (f"--quantization={flag}: {arch} has mixture-of-experts layers, and quantized expert "
-                    f"weights are not supported yet (the linear methods would quantize attention only and "
-                    f"leave the experts in float); launch without --quantization")
         if checkpoint_quant is not None:
             return (f"--model: a {checkpoint_quant.describe()} checkpoint of {arch}: quantized "
-                    f"mixture-of-experts weights are not supported yet; use a float checkpoint")
+                    f"mixture-of-experts weights are not supported yet; use a float checkpoint (and "
+                    f"--quantization to quantize it on load)")
         if gguf_file is not None:
             return (f"--model: {gguf_file}: GGUF files of mixture-of-experts models ({arch}) are not loaded "
                     f"yet; use the Hugging Face safetensors folder")

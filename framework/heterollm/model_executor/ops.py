@@ -7,6 +7,7 @@ monkey-patching of the core."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -67,16 +68,17 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 
 @register("fused_moe")
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+def fused_moe(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              method: Any = None) -> torch.Tensor:
     """The routed experts of a mixture-of-experts block, SiLU-gated: for each token t and each of its
     top-k choices (expert e, weight w), out[t] += w * (silu(x[t] G_e^T) * (x[t] U_e^T)) D_e^T.
 
     x: (tokens, hidden); w13: (experts, 2 * inter, hidden), gate rows then up rows of each expert;
-    w2: (experts, hidden, inter); topk_weights / topk_ids: (tokens, k). Returns (tokens, hidden) in
-    x's dtype; each product is weighted in the dtype of `topk_weights` (x's, or fp32) and then cast,
-    as transformers does. Under tensor parallelism `inter` is this rank's shard and the caller
-    all-reduces.
+    w2: (experts, hidden, inter); topk_weights / topk_ids: (tokens, k). With `method` (a LinearMethod:
+    `--quantization` on the experts), w13 and w2 are instead each expert's prepared states and every
+    GEMM is `method.apply(state, rows, None)`. Returns (tokens, hidden) in x's dtype; each product is
+    weighted in the dtype of `topk_weights` (x's, or fp32) and then cast, as transformers does. Under
+    tensor parallelism `inter` is this rank's shard and the caller all-reduces.
 
     The (token, choice) pairs are sorted by expert, so each expert that received tokens runs one
     gate/up GEMM and one down GEMM over all of its tokens; one index_add sums the weighted rows back
@@ -85,20 +87,20 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     tokens = order // k
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=len(w13)).tolist()
     xs = x[tokens]
     weights = topk_weights.reshape(-1)[order].unsqueeze(-1)
-    ys = x.new_empty(n * k, w2.shape[1], dtype=torch.promote_types(x.dtype, topk_weights.dtype))
+    ys = x.new_empty(n * k, x.shape[-1], dtype=torch.promote_types(x.dtype, topk_weights.dtype))
+    linear = F.linear if method is None else (lambda rows, state: method.apply(state, rows, None))
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
             continue
         rows = slice(start, start + count)
-        gate, up = F.linear(xs[rows], w13[expert]).chunk(2, dim=-1)
-        ys[rows] = F.linear(F.silu(gate) * up, w2[expert]) * weights[rows]
+        gate, up = linear(xs[rows], w13[expert]).chunk(2, dim=-1)
+        ys[rows] = linear(F.silu(gate) * up, w2[expert]) * weights[rows]
         start += count
     return torch.zeros_like(x).index_add_(0, tokens, ys.to(x.dtype))
-
 
 def has(name: str) -> bool:
     return name in _ACTIVE

@@ -20,6 +20,7 @@ from heterollm.model_executor.linear_method import (model_bytes, prepare_linears
                                                      select_linear_method, unpack_for_reload)
 from heterollm.model_executor.checkpoint_slice import ReadStats
 from heterollm.model_executor.loader import ModelSource, iter_weights
+from heterollm.model_executor.moe import prepare_experts
 from heterollm.model_executor.parallel import ParallelContext
 from heterollm.model_executor.quant_linear import attach_quantized, checkpoint_methods, prepare_quantized
 from heterollm.model_executor.registry import get_model_class
@@ -217,6 +218,8 @@ class ModelRunner:
             raise ConfigError(f"--model: {where} is missing weights: {shown} (truncated or incomplete checkpoint?)")
         try:
             prepare_linears(model, method)
+            if self.config.fastdeploy.quantization and method is not None:  # MoE experts, as the linears
+                prepare_experts(model, method)
             if quant_method is not None:
                 prepare_quantized(model, quant_method)
         except ValueError as exc:
