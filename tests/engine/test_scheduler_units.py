@@ -642,3 +642,11 @@ def test_deferred_requests_count_toward_the_queue_size():
     with pytest.raises(RequestRejected, match="request queue is full") as info:
         s.add(req("third", 3))
     assert info.value.status == 429
+
+
+def test_in_batch_commits_hash_blocks_the_prefix_match_did_not():
+    # 8-token prompts: the admission's match hashes only block 0 (the last token is always computed),
+    # so a's in-batch commit of positions 0-7 hashes block 1 from a's tokens; b shares block 0 only
+    s = make(prefix=True, in_batch=True)
+    s.add(req("a", 8)), s.add(req("b", 8))
+    assert shape(s.schedule()) == {"a": (0, 8), "b": (4, 4)}
