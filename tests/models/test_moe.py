@@ -284,3 +284,23 @@ def test_fused_moe_op_equals_a_per_token_loop():
     assert got16.dtype == torch.bfloat16
     ref16 = per_token_reference(x.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights, ids)
     torch.testing.assert_close(got16.double(), ref16, rtol=3e-2, atol=3e-2)
+
+
+def test_compiled_decode_steps_call_the_op_whole(tmp_path):
+    """--enable_graph on CPU (torch.compile): fused_moe's loop over the experts that received tokens
+    cannot be traced, so the graph calls it as one opaque op (heterollm::fused_moe); decode steps then
+    run compiled and give the eager tokens and logprobs."""
+    folder = build_tiny_model(tmp_path / "mixtral", "mixtral")
+    prompts = PROMPTS[:3]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+    results = []
+    for flags in ({}, {"enable_graph": True}):
+        llm = LLM(str(folder), dtype="float32", block_size=4, num_gpu_blocks_override=64, **flags)
+        outs = llm.generate(prompts, params)
+        results.append(([o.outputs[0].token_ids for o in outs], [lp.logprob for o in outs for lp in o.outputs[0].logprobs],
+                        llm.engine.executor.runner.graph_runner.num_replays))
+        llm.shutdown()
+    (eager_tokens, eager_lps, eager_replays), (tokens, lps, replays) = results
+    assert eager_replays == 0 and replays >= 7, "the decode steps ran compiled"
+    assert tokens == eager_tokens == hf_greedy(folder, prompts, 8)
+    assert lps == pytest.approx(eager_lps, abs=1e-4)

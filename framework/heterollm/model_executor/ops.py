@@ -83,6 +83,8 @@ def fused_moe(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.Tensor, to
     The (token, choice) pairs are sorted by expert, so each expert that received tokens runs one
     gate/up GEMM and one down GEMM over all of its tokens; one index_add sums the weighted rows back
     per token (in expert order)."""
+    if method is None and torch.compiler.is_compiling():  # per-expert sizes are data: opaque to the graph
+        return torch.ops.heterollm.fused_moe(x, w13, w2, topk_weights, topk_ids)
     n, k = topk_ids.shape
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -101,6 +103,20 @@ def fused_moe(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.Tensor, to
         ys[rows] = linear(F.silu(gate) * up, w2[expert]) * weights[rows]
         start += count
     return torch.zeros_like(x).index_add_(0, tokens, ys.to(x.dtype))
+
+
+@torch.library.custom_op("heterollm::fused_moe", mutates_args=())
+def _fused_moe_opaque(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor) -> torch.Tensor:
+    """fused_moe as one opaque op for a compiled step (`--enable_graph` on CPU): torch.compile cannot
+    trace its loop over the experts that received tokens, so the graph calls it whole."""
+    return fused_moe(x, w13, w2, topk_weights, topk_ids)
+
+
+@_fused_moe_opaque.register_fake
+def _fused_moe_shape(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
 
 def has(name: str) -> bool:
     return name in _ACTIVE
