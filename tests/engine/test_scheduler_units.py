@@ -650,3 +650,19 @@ def test_in_batch_commits_hash_blocks_the_prefix_match_did_not():
     s = make(prefix=True, in_batch=True)
     s.add(req("a", 8)), s.add(req("b", 8))
     assert shape(s.schedule()) == {"a": (0, 8), "b": (4, 4)}
+
+
+def test_a_request_admitted_while_starving_is_not_preempted_for_priority():
+    # priority 9 against the 10 s reference time: starving past 10 s (threshold 1); admitted at 11 s
+    # as starved, it keeps its only slot when a priority-0 request arrives
+    clock = Clock()
+    s = make(clock=clock, priority_strategy="priority", max_seqs_per_batch=1)
+    low = req("low", 3, priority=9)
+    s.add(low)
+    put_running(s, req("busy", 3), 3, (7,))
+    s.schedule()  # busy keeps the slot
+    s.finish("busy", "stop")
+    clock.now = 11.0
+    assert shape(s.schedule()) == {"low": (0, 3)} and low.starved
+    s.add(req("high", 3, priority=0, arrival_time=11.0))
+    assert starts(s.schedule()) == {"low": 3} and low.num_preemptions == 0
