@@ -666,3 +666,15 @@ def test_a_request_admitted_while_starving_is_not_preempted_for_priority():
     assert shape(s.schedule()) == {"low": (0, 3)} and low.starved
     s.add(req("high", 3, priority=0, arrival_time=11.0))
     assert starts(s.schedule()) == {"low": 3} and low.num_preemptions == 0
+
+
+def test_a_prefill_admitted_at_ttft_risk_counts_against_the_next_ones_budget():
+    # -0.5 ms + 1 ms a token, TPOT 3 ms. d decodes (1 token); w1 (1 ms target, waited 10 s) is at
+    # risk: its whole chunk of 8 goes in; w2 (no target) would add to 9 tokens already past the
+    # budget: held, and the queue stops there
+    s = make(latency=latency([-0.0005, 0.001, 0.0, 0.0, 0.0], 3), clock=Clock(10.0),
+             max_tokens_per_chunk_for_prefill=8)
+    put_running(s, req("d", 3), 3, (7,))
+    s.add(req("w1", 20, ttft_slo_ms=1)), s.add(req("w2", 20))
+    assert shape(s.schedule()) == {"d": (3, 1), "w1": (0, 8)}
+    assert s.latency.num_held == 1 and [r.request_id for r in s.waiting] == ["w2"]
