@@ -169,3 +169,51 @@ def hf_reranker_score(folder: Path, query: str, doc: str, instruction: str = RER
     with torch.no_grad():
         logits = _hf_model(str(folder))(torch.tensor([hf_reranker_ids(folder, query, doc, instruction)])).logits[0, -1]
     return torch.stack([logits[no], logits[yes]]).log_softmax(-1)[1].exp().item()
+
+
+def load_family_weights(folder: Path, load_choices: str = "default", tp_rank: int = 0, tp_size: int = 1):
+    """The core family model of `folder` built for one tensor-parallel rank and loaded with
+    `--load_choices load_choices`: (its parameters by name, the loader's ReadStats). Asserts that every
+    parameter was filled."""
+    from heterollm.model_executor.checkpoint_slice import ReadStats
+    from heterollm.model_executor.loader import iter_weights, resolve_model
+    from heterollm.model_executor.parallel import ParallelContext
+    from heterollm.plugins import get_registry
+
+    source = resolve_model(str(folder))
+    cls = get_registry().get("models", source.architectures[0], family="core").obj
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        model = cls(source.hf_config, ParallelContext(tp_rank, tp_size), 128)
+    finally:
+        torch.set_default_dtype(previous)
+    stats = ReadStats()
+    loaded = model.load_weights(iter_weights(source, load_choices, stats))
+    assert loaded == {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    return dict(model.named_parameters(remove_duplicate=False)), stats
+
+
+def assert_same_parameters(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def assert_logprobs_match_transformers(folder: Path, prompts: list[list[int]], outs, top: int = 3,
+                                       prompt_top: int = 2, tol: float = 1e-3) -> None:
+    """Each generated token's logprob, rank and top-`top` alternatives, and each prompt token's
+    logprob (with `prompt_top` alternatives), against transformers' forward on prompt + output."""
+    for prompt, out in zip(prompts, outs):
+        gen = out.outputs[0].token_ids
+        ref = hf_logprobs(folder, prompt + gen)
+        for j, lp in enumerate(out.outputs[0].logprobs):
+            row = ref[len(prompt) - 1 + j]
+            assert lp.token_id == gen[j] and lp.rank == 1
+            assert abs(lp.logprob - row[gen[j]].item()) < tol
+            assert [t for t, _ in lp.top] == row.topk(top).indices.tolist()
+        plp = out.prompt_logprobs
+        assert plp[0] is None and len(plp) == len(prompt)
+        for pos in range(1, len(prompt)):
+            assert abs(plp[pos].logprob - ref[pos - 1][prompt[pos]].item()) < tol
+            assert len(plp[pos].top) == prompt_top

@@ -1,5 +1,5 @@
 """Tensor parallelism on CPU (gloo): one spawned worker process per rank. Greedy tokens with
-tp_size=2 equal tp_size=1 for every model family, with K/V heads split or replicated; shapes that
+tp_size=2 equal tp_size=1 for every model family (a mixture-of-experts one included), with K/V heads split or replicated; shapes that
 cannot split fail with a message naming the shape; --random_seed makes sampled text repeatable; a
 worker that dies fails the step, never hangs."""
 from __future__ import annotations
@@ -36,7 +36,10 @@ def run(folder, **flags):
     ("phi3", {}), ("glm4", {}),  # fused checkpoint projections split before sharding; GLM's per-head q/k reorder
     ("gemma2", {"sliding_window": 8, "head_dim": 16, "attn_logit_softcapping": 2.0}),
     ("gemma3", {"sliding_window": 8, "sliding_window_pattern": 2, "head_dim": 16}),
-], ids=["llama", "qwen2", "qwen3", "llama-kv-replicated", "phi3", "glm4", "gemma2", "gemma3"])
+    # each expert's and the shared expert's intermediate dimension split, one all-reduce per block; a
+    # dense layer too. One MoE family: the three share the sharded experts (test_moe.py loads each's shards)
+    ("qwen2_moe", {"mlp_only_layers": [1]}),
+], ids=["llama", "qwen2", "qwen3", "llama-kv-replicated", "phi3", "glm4", "gemma2", "gemma3", "qwen2-moe"])
 def test_tp2_equals_tp1(tmp_path, family, shape):
     folder = build_tiny_model(tmp_path / family, family, **shape)
     tokens1, lps1 = run(folder)

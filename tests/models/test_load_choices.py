@@ -9,13 +9,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from helpers import build_tiny_model
+from helpers import assert_same_parameters, build_tiny_model, load_family_weights
 from heterollm import LLM, SamplingParams
 from heterollm.config import ConfigError
 from heterollm.model_executor.checkpoint_slice import CheckpointSlice, ReadStats, materialize, safetensors_slice
 from heterollm.model_executor.loader import iter_weights, resolve_model
-from heterollm.model_executor.parallel import ParallelContext
-from heterollm.plugins import get_registry
 from quant_writers import build_quantized
 
 FLAGS = dict(dtype="float32", block_size=8, num_gpu_blocks_override=64, max_model_len=128)
@@ -69,28 +67,6 @@ def test_anything_else_reads_the_window_and_carries_on_as_a_tensor(stored):
 
 
 # -- whole models: the same parameters as the default loader, rank by rank -------------------------
-def _load(folder, load_choices, tp_rank=0, tp_size=1):
-    """The family's model with this rank's parameters, and the loader's byte counts."""
-    source = resolve_model(str(folder))
-    cls = get_registry().get("models", source.architectures[0], family="core").obj
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)
-    try:
-        model = cls(source.hf_config, ParallelContext(tp_rank, tp_size), 128)
-    finally:
-        torch.set_default_dtype(previous)
-    stats = ReadStats()
-    loaded = model.load_weights(iter_weights(source, load_choices, stats))
-    assert loaded == {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    return dict(model.named_parameters(remove_duplicate=False)), stats
-
-
-def _same_parameters(a, b):
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
-
-
 FAMILY_SHAPES = {
     "llama": {}, "qwen2": {}, "qwen3": {}, "mistral": {},
     "llama-kv-replicated": {"num_key_value_heads": 1},
@@ -107,21 +83,21 @@ def family_folder(request, tmp_path_factory):
 
 
 def test_every_family_loads_the_same_parameters_on_every_rank(family_folder):
-    default, _ = _load(family_folder, "default")
-    v1, stats = _load(family_folder, "default_v1")
-    _same_parameters(v1, default)
+    default, _ = load_family_weights(family_folder, "default")
+    v1, stats = load_family_weights(family_folder, "default_v1")
+    assert_same_parameters(v1, default)
     assert stats.read == stats.stored  # one rank holds every weight: it reads each byte once
     for rank in range(2):
-        default, full = _load(family_folder, "default", rank, 2)
-        v1, shard = _load(family_folder, "default_v1", rank, 2)
-        _same_parameters(v1, default)
+        default, full = load_family_weights(family_folder, "default", rank, 2)
+        v1, shard = load_family_weights(family_folder, "default_v1", rank, 2)
+        assert_same_parameters(v1, default)
         assert full.read == full.stored
         assert shard.stored == full.stored
         # norms and replicated K/V heads are read whole; every projection and the embedding, halved
         assert 0.5 * full.stored <= shard.read < 0.65 * full.stored
 
 
-def test_quantized_formats_load_the_same_parameters(tmp_path):
+def test_quantized_formats_load_theassert_same_parameters(tmp_path):
     for fmt, config in {
         "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": False},
         "awq": {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
@@ -131,7 +107,7 @@ def test_quantized_formats_load_the_same_parameters(tmp_path):
         source = resolve_model(str(folder))
         default = dict(iter_weights(source, "default"))
         v1 = {name: materialize(t) for name, t in iter_weights(source, "default_v1")}
-        _same_parameters(v1, default)
+        assert_same_parameters(v1, default)
 
 
 def test_pytorch_bin_files_are_memory_mapped(tmp_path):
@@ -143,13 +119,13 @@ def test_pytorch_bin_files_are_memory_mapped(tmp_path):
     source = resolve_model(str(folder))
     lazy = dict(iter_weights(source, "default_v1"))
     assert all(isinstance(t, CheckpointSlice) for t in lazy.values())
-    _same_parameters({n: materialize(t) for n, t in lazy.items()}, state)
-    _same_parameters(_load(folder, "default_v1", 1, 2)[0], _load(folder, "default", 1, 2)[0])
+    assert_same_parameters({n: materialize(t) for n, t in lazy.items()}, state)
+    assert_same_parameters(load_family_weights(folder, "default_v1", 1, 2)[0], load_family_weights(folder, "default", 1, 2)[0])
     # a file in torch's pre-1.6 format cannot be memory-mapped: it is read whole, with the same result
     torch.save(state, folder / "pytorch_model.bin", _use_new_zipfile_serialization=False)
     legacy = dict(iter_weights(source, "default_v1"))
     assert not any(isinstance(t, CheckpointSlice) for t in legacy.values())
-    _same_parameters(legacy, state)
+    assert_same_parameters(legacy, state)
 
 
 def test_an_unknown_loader_is_named():

@@ -12,13 +12,13 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from helpers import MOE_FAMILIES, build_tiny_model, hf_greedy, hf_logprobs
+from helpers import (MOE_FAMILIES, assert_logprobs_match_transformers, assert_same_parameters, build_tiny_model,
+                     hf_greedy, hf_logprobs, load_family_weights)
 from heterollm import LLM, SamplingParams
 from heterollm.config import ConfigError
 from heterollm.model_executor import ops
-from heterollm.model_executor.checkpoint_slice import ReadStats
 from heterollm.model_executor.linear_method import state_bytes
-from heterollm.model_executor.loader import iter_weights, resolve_model
+from heterollm.model_executor.loader import resolve_model
 from heterollm.model_executor.models.llama import MLP
 from heterollm.model_executor.moe import FusedMoE, SparseMoeBlock
 from heterollm.model_executor.parallel import ParallelContext
@@ -82,16 +82,7 @@ def test_logprobs_match_transformers(moe_model):
               max_tokens_per_chunk_for_prefill=16)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
     outs = llm.generate(PROMPTS[:4], params)
-    for prompt, out in zip(PROMPTS, outs):
-        gen = out.outputs[0].token_ids
-        ref = hf_logprobs(folder, prompt + gen)
-        for j, lp in enumerate(out.outputs[0].logprobs):
-            row = ref[len(prompt) - 1 + j]
-            assert lp.token_id == gen[j] and lp.rank == 1
-            assert abs(lp.logprob - row[gen[j]].item()) < 1e-3, name
-            assert [t for t, _ in lp.top] == row.topk(3).indices.tolist()
-        for pos in range(1, len(prompt)):
-            assert abs(out.prompt_logprobs[pos].logprob - ref[pos - 1][prompt[pos]].item()) < 1e-3, name
+    assert_logprobs_match_transformers(folder, PROMPTS[:4], outs)
 
 
 def test_bf16_runs_and_mostly_agrees(moe_model):
@@ -173,38 +164,17 @@ def test_gguf_and_quantized_checkpoints_are_refused(tmp_path):
     assert "a GPTQ 4-bit checkpoint of Qwen3MoeForCausalLM" in model.launch_refused(None, Gptq(), None)
 
 # -- loading: default_v1 windows and fused expert tensors, rank by rank ---------------------------
-def _load(folder, load_choices, tp_rank=0, tp_size=1):
-    source = resolve_model(str(folder))
-    cls = get_registry().get("models", source.architectures[0], family="core").obj
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)
-    try:
-        model = cls(source.hf_config, ParallelContext(tp_rank, tp_size), 128)
-    finally:
-        torch.set_default_dtype(previous)
-    stats = ReadStats()
-    loaded = model.load_weights(iter_weights(source, load_choices, stats))
-    assert loaded == {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    return dict(model.named_parameters(remove_duplicate=False)), stats
-
-
-def _same_parameters(a, b):
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
-
-
 @pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
 def test_default_v1_loads_the_same_parameters_on_every_rank(tmp_path, family):
     folder = build_tiny_model(tmp_path / family, family)
-    default, _ = _load(folder, "default")
-    v1, stats = _load(folder, "default_v1")
-    _same_parameters(v1, default)
+    default, _ = load_family_weights(folder, "default")
+    v1, stats = load_family_weights(folder, "default_v1")
+    assert_same_parameters(v1, default)
     assert stats.read == stats.stored
     for rank in range(2):
-        default, full = _load(folder, "default", rank, 2)
-        v1, shard = _load(folder, "default_v1", rank, 2)
-        _same_parameters(v1, default)
+        default, full = load_family_weights(folder, "default", rank, 2)
+        v1, shard = load_family_weights(folder, "default_v1", rank, 2)
+        assert_same_parameters(v1, default)
         assert shard.stored == full.stored
         # the experts are halved with the other projections: a rank reads about half the bytes
         assert 0.5 * full.stored <= shard.read < 0.65 * full.stored
@@ -239,10 +209,10 @@ def test_fused_3d_expert_tensors_load_like_per_expert_ones(tmp_path, family):
             (fused_folder / f.name).write_bytes(f.read_bytes())
     for tp_size in (1, 2):
         for rank in range(tp_size):
-            want, _ = _load(folder, "default", rank, tp_size)
+            want, _ = load_family_weights(folder, "default", rank, tp_size)
             for choice in ("default", "default_v1"):
-                got, _ = _load(fused_folder, choice, rank, tp_size)
-                _same_parameters(got, want)
+                got, _ = load_family_weights(fused_folder, choice, rank, tp_size)
+                assert_same_parameters(got, want)
 
 
 # -- the op ---------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import FAMILIES, build_tiny_model, hf_greedy, hf_logprobs
+from helpers import FAMILIES, assert_logprobs_match_transformers, build_tiny_model, hf_greedy, hf_logprobs
 from heterollm import LLM, SamplingParams
 
 PROMPTS = [[1, 20, 30, 40, 50], list(range(100, 137)), [7, 7, 7], list(range(500, 700, 3)), [42]]
@@ -51,21 +51,7 @@ def test_logprobs_match_transformers(family_model):
               max_tokens_per_chunk_for_prefill=16)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
     outs = llm.generate(PROMPTS[:4], params)
-    for prompt, out in zip(PROMPTS, outs):
-        gen = out.outputs[0].token_ids
-        ref = hf_logprobs(folder, prompt + gen)
-        for j, lp in enumerate(out.outputs[0].logprobs):
-            row = ref[len(prompt) - 1 + j]
-            assert lp.token_id == gen[j]
-            assert abs(lp.logprob - row[gen[j]].item()) < 1e-3
-            assert lp.rank == 1
-            top_ids = row.topk(3).indices.tolist()
-            assert [t for t, _ in lp.top] == top_ids
-        plp = out.prompt_logprobs
-        assert plp[0] is None and len(plp) == len(prompt)
-        for pos in range(1, len(prompt)):
-            assert abs(plp[pos].logprob - ref[pos - 1][prompt[pos]].item()) < 1e-3
-            assert len(plp[pos].top) == 2
+    assert_logprobs_match_transformers(folder, PROMPTS[:4], outs)
 
 
 def test_bf16_runs_and_mostly_agrees(family_model):
