@@ -58,8 +58,6 @@ def test_the_engine_schedules_within_the_profiled_budget(tiny_llama):
         assert llm.engine.kv.num_free_blocks == 200
     finally:
         llm.shutdown()
-    with pytest.raises(ConfigError, match="--max_global_tpot_ms=1"):  # no step of a model ends within 1 ms here
-        LLM(str(tiny_llama), **FLAGS, enable_profile_token_budget=True, max_global_tpot_ms=1)
 
 
 def _prefills_after_cached_context(llm: LLM) -> list[list[float]]:
