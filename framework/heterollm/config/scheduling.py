@@ -56,5 +56,5 @@ class ProfileConfig(FlagGroup):
     enable_profile_kv_blocks: bool = flag(True, "profiling 时是否生成 KV Cache blocks。")
     disable_ttft_profiling: bool = flag(False, "是否禁用 TTFT profiling。")
     enable_online_profile: bool = flag(False, "是否启用在线 timeline 接口(/start_profile 和 /stop_profile),支持 Ascend NPU 及文档中列出的 profiling 后端。")
-    profile_backend: choice("torch", "ascend", "cuda") = flag("torch", "在线 profiling 后端。torch(默认)在 Ascend 上通过 torch_npu 采集 CPU+NPU,在其他支持的平台通过 Kineto 采集 CPU+CUDA;ascend 采集 CANN 原始数据,使用 msprof 导出;cuda 控制外部 nsys 的 capture range。部署限制见在线服务性能分析。")
+    profile_backend: str = flag("torch", "在线 profiling 后端。torch(默认)在 Ascend 上通过 torch_npu 采集 CPU+NPU,在其他支持的平台通过 Kineto 采集 CPU+CUDA;ascend 采集 CANN 原始数据,使用 msprof 导出;cuda 控制外部 nsys 的 capture range。部署限制见在线服务性能分析。可用取值由所选平台提供 (Platform.profilers),其余在启动时拒绝。")
     profile_dir: str = flag("", "torch 和 ascend 后端的 trace 输出目录;为空表示当前工作目录。")
