@@ -1,0 +1,231 @@
+"""Suffix decoding (Oliaro et al., "SuffixDecoding: Extreme Speculative Decoding for Emerging AI
+Applications"): drafts come from bounded-depth suffix trees of token ids, no model involved.
+
+A suffix tree here is a trie of every suffix of the inserted sequences, each truncated to
+`max_depth` tokens; a node's `count` is how many times its path occurs. Two kinds are kept:
+
+- per request: its prompt + output so far, extended by each token as it arrives (O(max_depth): the
+  request keeps the nodes where its last `max_depth` suffixes end, and each moves one child down);
+- global: the outputs of finished requests (the `max_cached_requests` most recently finished; -1
+  keeps all, 0 keeps no tree). Evicting a request decrements the counts along the paths it
+  inserted and drops nodes that reach 0, so the tree is what it would be had it never been added.
+  A request also keeps where its suffixes end in the global tree, followed token by token like its
+  own and walked afresh (O(max_depth^2)) only after the global tree changed.
+
+Drafting from a node (the end of a suffix of length m of the context that occurs in the tree):
+follow the child with the highest count (ties: the smaller token id) while the path's probability,
+the product of count(child) / out(node) where out(node) is the sum of the node's children's counts
+(the occurrences of the node's path that are followed by a token, so the context's own latest
+occurrence, which has nothing after it yet, never counts), stays >= `min_token_prob`, for at most
+min(k, floor(max_spec_factor * m + max_spec_offset)) tokens. A draft's score is the sum of its
+tokens' path probabilities (the expected number of accepted tokens). Every match length m that
+occurs (at most max_depth - 1, leaving room for one token) is tried, in each tree; the best score
+wins, ties going to the longer match and then to the per-request tree. Trying only the longest
+match would starve the draft: a match of length max_depth - 1 leaves room for a single token.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+_EPS = 1e-9  # floor(max_spec_factor * m + max_spec_offset) must not lose 1 to rounding (0.29 * 100)
+
+
+class _Node:
+    """One trie node: children by token, occurrences of its path, and the sum of its children's counts."""
+
+    __slots__ = ("children", "count", "out")
+
+    def __init__(self) -> None:
+        self.children: dict[int, _Node] = {}
+        self.count = 0
+        self.out = 0
+
+
+def _extend(root: _Node, ends: list[_Node], token: int, max_depth: int) -> list[_Node]:
+    """Append `token` to a sequence whose suffixes of length 1, 2, ... end at `ends` (at most
+    `max_depth` of them): the returned list is the same for the longer sequence. O(max_depth)."""
+    new_ends = []
+    append = new_ends.append
+    for parent in (root, *ends[:max_depth - 1]):
+        children = parent.children
+        child = children.get(token)
+        if child is None:
+            child = children[token] = _Node()
+        child.count += 1
+        parent.out += 1
+        append(child)
+    return new_ends
+
+
+def _follow(root: _Node, ends: list[_Node], token: int, max_len: int) -> list[_Node]:
+    """Like `_extend` but read-only, for a sequence not in the tree: `ends` holds the nodes of its
+    suffixes of length 1, 2, ... up to the first not in the tree, at most `max_len` of them."""
+    new_ends = []
+    for parent in (root, *ends[:max_len - 1]):
+        child = parent.children.get(token)
+        if child is None:
+            break
+        new_ends.append(child)
+    return new_ends
+
+
+def _insert(root: _Node, tokens: Sequence[int], max_depth: int) -> None:
+    """Add every suffix of `tokens` (truncated to max_depth) to the tree at `root`."""
+    ends: list[_Node] = []
+    for token in tokens:
+        ends = _extend(root, ends, token, max_depth)
+
+
+def _remove(root: _Node, tokens: Sequence[int], max_depth: int) -> None:
+    """Undo `_insert(root, tokens, max_depth)`: decrement along each suffix's path, dropping nodes
+    whose count reaches 0 (their whole subtree came from this one occurrence)."""
+    for start in range(len(tokens)):
+        node = root
+        for token in tokens[start:start + max_depth]:
+            child = node.children[token]
+            child.count -= 1
+            node.out -= 1
+            if child.count == 0:
+                del node.children[token]
+                break
+            node = child
+
+
+def _rank(item: tuple[int, _Node]) -> tuple[int, int]:
+    """Children order for drafting: the highest count, then the smaller token id."""
+    return item[1].count, -item[0]
+
+
+def _draft(node: _Node, limit: int, min_token_prob: float) -> tuple[list[int], float]:
+    """The greedy path below `node`: (tokens, sum of their path probabilities)."""
+    tokens: list[int] = []
+    prob, score = 1.0, 0.0
+    while len(tokens) < limit and node.out:
+        children = node.children
+        if len(children) == 1:
+            (token, child), = children.items()
+        else:
+            token, child = max(children.items(), key=_rank)
+        prob *= child.count / node.out
+        if prob < min_token_prob:
+            break
+        tokens.append(token)
+        score += prob
+        node = child
+    return tokens, score
+
+
+class _Request:
+    """A running request: its tokens so far, its own tree, where its suffixes end in that tree, and
+    where they end in the global tree as of its version `global_version`."""
+
+    __slots__ = ("tokens", "num_prompt_tokens", "root", "ends", "global_ends", "global_version")
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.num_prompt_tokens = 0
+        self.root = _Node()
+        self.ends: list[_Node] = []
+        self.global_ends: list[_Node] = []
+        self.global_version = -1
+
+
+class SuffixProposer:
+    """Engine-side suffix-decoding proposer (see the module docstring for the semantics)."""
+
+    def __init__(self, max_depth: int = 64, max_cached_requests: int = -1, max_spec_factor: float = 1.0,
+                 min_token_prob: float = 0.1, max_spec_offset: float = 0.0) -> None:
+        if max_depth < 2:
+            raise ValueError(f"max_depth must be >= 2 (a match plus one draft token), got {max_depth}")
+        if max_cached_requests < -1:
+            raise ValueError(f"max_cached_requests must be -1 (unlimited), 0 (off) or > 0, got {max_cached_requests}")
+        if max_spec_factor < 0 or not 0.0 <= min_token_prob <= 1.0:
+            raise ValueError(f"need max_spec_factor >= 0 and 0 <= min_token_prob <= 1, got "
+                             f"{max_spec_factor}, {min_token_prob}")
+        self.max_depth = max_depth
+        self.max_cached_requests = max_cached_requests
+        self.max_spec_factor = max_spec_factor
+        self.min_token_prob = min_token_prob
+        self.max_spec_offset = max_spec_offset
+        self._requests: dict[str, _Request] = {}
+        self._global: _Node | None = _Node() if max_cached_requests != 0 else None
+        self._cached: deque[list[int]] = deque()  # outputs in the global tree, least recently finished first
+        self._version = 0  # of the global tree: requests' global_ends are valid for the version they name
+
+    @property
+    def num_cached_requests(self) -> int:
+        """How many finished requests' outputs the global tree holds."""
+        return len(self._cached)
+
+    def propose(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int, k: int) -> list[int]:
+        """Up to k draft tokens to follow `token_ids` (the request's prompt + output so far).
+
+        Only the tokens past those seen by the previous call are added to the request's tree; a list
+        that does not extend them (shorter, or a different last seen token) restarts the request."""
+        state = self._requests.get(request_id)
+        seen = len(state.tokens) if state is not None else 0
+        if state is None or len(token_ids) < seen or (seen and token_ids[seen - 1] != state.tokens[-1]):
+            state = self._requests[request_id] = _Request()
+            seen = 0
+        state.num_prompt_tokens = num_prompt_tokens
+        current = state.global_version == self._version
+        for token in token_ids[seen:]:
+            state.ends = _extend(state.root, state.ends, token, self.max_depth)
+            state.tokens.append(token)
+            if current:
+                state.global_ends = _follow(self._global, state.global_ends, token, self.max_depth - 1)
+        if k <= 0:
+            return []
+        tokens, score = self._best(state.ends, k)
+        if self._global is not None and self._global.out:
+            if not current:  # new request, or the global tree changed since: walk it once
+                state.global_ends = self._matches(self._global, state.tokens)
+                state.global_version = self._version
+            global_tokens, global_score = self._best(state.global_ends, k)
+            if global_score > score:
+                tokens = global_tokens
+        return tokens
+
+    def finish(self, request_id: str) -> None:
+        """Drop the request's state; its output (the tokens after its prompt, as last seen by
+        `propose`) joins the global tree, evicting the least recently finished output past
+        `max_cached_requests`. An empty output is not cached."""
+        state = self._requests.pop(request_id, None)
+        if state is None or self._global is None:
+            return
+        output = state.tokens[state.num_prompt_tokens:]
+        if not output:
+            return
+        _insert(self._global, output, self.max_depth)
+        self._cached.append(output)
+        self._version += 1
+        if self.max_cached_requests > 0 and len(self._cached) > self.max_cached_requests:
+            _remove(self._global, self._cached.popleft(), self.max_depth)
+
+    def _matches(self, root: _Node, tokens: list[int]) -> list[_Node]:
+        """The nodes where the suffixes of `tokens` of length 1, 2, ... end in the tree at `root`,
+        up to the first that is not in it (a suffix of one in the tree is in it too). O(max_depth^2)."""
+        nodes: list[_Node] = []
+        end = len(tokens)
+        for m in range(1, min(end, self.max_depth - 1) + 1):
+            node: _Node | None = root
+            for token in tokens[end - m:]:
+                node = node.children.get(token)
+                if node is None:
+                    return nodes
+            nodes.append(node)
+        return nodes
+
+    def _best(self, ends: list[_Node], k: int) -> tuple[list[int], float]:
+        """The best-scoring draft over the match lengths m = 1, 2, ... whose nodes are `ends`."""
+        best: list[int] = []
+        best_score = 0.0
+        for m, node in enumerate(ends, start=1):
+            limit = min(k, int(self.max_spec_factor * m + self.max_spec_offset + _EPS))
+            if limit <= 0 or not node.out:
+                continue
+            tokens, score = _draft(node, limit, self.min_token_prob)
+            if tokens and score >= best_score:
+                best, best_score = tokens, score
+        return best, best_score
