@@ -60,8 +60,7 @@ def build_tiny_model(folder: Path, family: str, seed: int = 0, head: str = "caus
         extra = {**extra, "num_labels": 1, "pad_token_id": 0}
     tok = _tokenizer()
     cfg = getattr(transformers, cfg_name)(
-        vocab_size=len(tok), num_hidden_layers=2,
-        **{"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        **{"vocab_size": len(tok), "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
            "max_position_embeddings": 512,
            "eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id, "tie_word_embeddings": False,
            **extra, **overrides})

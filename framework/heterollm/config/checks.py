@@ -4,6 +4,7 @@ from __future__ import annotations
 from heterollm.config.cache import kv_events_port_problems, parse_kv_events_config
 from heterollm.config.base import INT32_MAX
 from heterollm.config.schema import HeterollmConfig
+from heterollm.spec_decode.config import spec_problems
 
 
 def check_flag_combinations(config: HeterollmConfig) -> list[str]:
@@ -37,6 +38,7 @@ def check_flag_combinations(config: HeterollmConfig) -> list[str]:
             problems.append(f"--{flag}: needs --max_global_tpot_ms, the TPOT target "
                             + ("it keeps running decodes within" if flag.startswith("enable_latency")
                                else "a step's tokens are budgeted to meet"))
+    problems += spec_problems(config)
     if config.kv_cache.kv_events_config:
         events = parse_kv_events_config(config.kv_cache.kv_events_config)
         problems += kv_events_port_problems(events, config.parallel.dp_size)

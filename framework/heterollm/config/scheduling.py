@@ -37,7 +37,7 @@ class SpeculativeConfig(FlagGroup):
 
     draft_model: str = flag("", "draft 模型路径;MTP 使用方式详见 MTP。")
     num_speculative_tokens: Int32 = flag(0, "每轮 speculative decoding 生成的 speculative token 数。", ge=0)
-    speculative_algorithm: choice("MTP", "Eagle3", "Suffix", "DFlash", "DFlash2", "DSpark") = flag("MTP", "Speculative decoding 算法,支持 MTP、Eagle3、Suffix、DFlash、DFlash2(仅 NPU)、DSpark。")
+    speculative_algorithm: choice("MTP", "Eagle3", "Suffix", "DFlash", "DFlash2", "DSpark", "ngram", "draft_model") = flag("MTP", "Speculative decoding 算法,支持 MTP、Eagle3、Suffix、DFlash、DFlash2(仅 NPU)、DSpark;heterollm 另有 ngram (prompt lookup) 与 draft_model (--draft_model 给出的同词表小模型)。")
     speculative_suffix_cache_max_depth: Int32 = flag(64, "Suffix speculative decoding 的后缀树最大深度。", gt=0)
     speculative_suffix_max_cached_requests: Int32 = flag(-1, "Suffix speculation 全局最大缓存请求数;-1 表示不限,0 表示禁用。", ge=-1)
     speculative_suffix_use_tree_spec: bool = flag(False, "是否使用 tree-based suffix speculation,而不是 path speculation。")

@@ -62,9 +62,6 @@ _planned("ep_size cp_size kv_split_size "
 _planned("graph_optimization_config "
          "enable_shm use_contiguous_input_buffer input_shm_size output_shm_size",
          "the accelerator backends issue")
-_planned("draft_model num_speculative_tokens speculative_algorithm speculative_suffix_cache_max_depth "
-         "speculative_suffix_max_cached_requests speculative_suffix_use_tree_spec enable_probabilistic_draft "
-         "speculative_config", "speculative decoding")
 _planned("swap_space enable_kvcache_store prefetch_timeout prefetch_batch_size layers_wise_copy_batchs host_blocks_factor "
          "store_protocol store_rdma_devices store_master_server_address store_metadata_server store_local_hostname "
          "enable_control_h2d_block_num", "KV cache store / host tier")

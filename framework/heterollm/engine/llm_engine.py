@@ -18,7 +18,7 @@ from heterollm.config import HeterollmConfig
 from heterollm.config.scheduling import SchedulerConfig
 from heterollm.engine.admission import AdmissionLimits, admit_params, best_of
 from heterollm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from heterollm.scheduler.request import Request, RequestRejected
+from heterollm.scheduler.request import Request, RequestRejected, RequestStatus
 from heterollm.engine.memory_budget import KVPlan, KVSizing, mib, plan_kv_cache, plan_warnings
 from heterollm.engine import reservations
 from heterollm.engine.step_profiler import StepProfiler
@@ -36,6 +36,8 @@ from heterollm.pooling.task import build_setup
 from heterollm.sampling import SamplingParams, StructuredOutputsParams
 from heterollm.sampling.structured import GrammarState, StructuredOutputManager
 from heterollm.scheduler import Scheduler
+from heterollm.spec_decode import make_proposer, resolve_spec
+from heterollm.spec_decode.stats import SpecStats
 from heterollm.engine.latency_profile import latency_targets, profile_step_time, profile_token_budget, warm_up
 from heterollm.scheduler.policy import SchedulingPolicy
 from heterollm.tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -174,11 +176,19 @@ class LLMEngine:
                                  hash_seed=kvc.xxh3_128bits_seed, record_events=self.kv_events is not None,
                                  idle_limit=idle_limit)
         latency = latency_targets(config)
+        self.spec = resolve_spec(config)
+        """Speculative decoding (spec_decode/), None when it is off."""
+        self.proposer = make_proposer(self.spec) if self.spec is not None else None
+        """The engine-side proposer (suffix, n-gram); None for a draft model (it runs on the workers)."""
+        self.spec_stats = SpecStats()
+        self._spec_step: tuple[int, int, int] = (0, 0, 0)
+        """The last step's (verifications, drafts, accepted), for --enable_profile_step_time."""
 
         def make_scheduler(sched: SchedulerConfig) -> Scheduler:
             return Scheduler(sched, self.kv, max_len,
                              in_batch_prefix_cache=kvc.enable_prefix_cache and kvc.enable_in_batch_prefix_cache,
-                             policy=SchedulingPolicy(sched, config.profile.max_global_ttft_ms), latency=latency)
+                             policy=SchedulingPolicy(sched, config.profile.max_global_ttft_ms), latency=latency,
+                             lookahead=self.spec.lookahead if self.spec is not None else 0)
 
         self.scheduler = make_scheduler(config.scheduler)
         self._worker = (ThreadPoolExecutor(1, thread_name_prefix="heterollm-step")
@@ -345,6 +355,8 @@ class LLMEngine:
         for child in parent.children:
             self.scheduler.finish(child.request.request_id, "abort")
             self._children.pop(child.request.request_id, None)
+            if self.proposer is not None:
+                self.proposer.finish(child.request.request_id)
         self._finished(self._output(parent))
 
     def is_unfinished(self, request_id: str) -> bool:
@@ -430,7 +442,9 @@ class LLMEngine:
         t1 = time.perf_counter()
         result, run_s = self._execute(so)
         t2 = time.perf_counter()
-        outputs = self._process(so, result, self._update(so, result))
+        changed = self._update(so, result)
+        outputs = self._process(so, result, changed)
+        self._propose(result, changed)
         self._after_step(so, result, t1 - t0, t2, run_s)
         return outputs
 
@@ -465,6 +479,8 @@ class LLMEngine:
     def _update(self, so: SchedulerOutput, result: RunnerOutput) -> list[tuple[Request, list[int]]]:
         """The scheduler takes the step's tokens; each sequence's grammar advances by them."""
         changed = self.scheduler.update(so, result)
+        if self.spec is not None:
+            self._spec_step = self.spec_stats.observe(so, result)
         if self.structured is not None:
             for request, tokens in changed:
                 if request.grammar is not None:
@@ -480,6 +496,23 @@ class LLMEngine:
                              token, request.grammar.spec.kind)
                 request.finish_reason = "abort"
                 return
+
+    def _propose(self, result: RunnerOutput, changed: list[tuple[Request, list[int]]]) -> None:
+        """Speculative decoding: drafts for the next step of each request that took tokens and goes on
+        (a draft model's came with the step; suffix / n-gram propose here). A request under a
+        grammar decodes without drafts (its mask would have to follow each draft)."""
+        if self.spec is None:
+            return
+        k = self.spec.num_speculative_tokens
+        worker = dict(zip(result.request_ids, result.spec_token_ids)) if result.spec_token_ids is not None else None
+        for request, tokens in changed:
+            if not tokens or request.finished or request.status is not RequestStatus.RUNNING or request.grammar:
+                continue
+            if worker is not None:
+                request.spec_token_ids = worker.get(request.request_id, [])
+            elif self.proposer is not None:
+                request.spec_token_ids = self.proposer.propose(request.request_id, request.all_token_ids,
+                                                               request.num_prompt_tokens, k)
 
     def _fill_grammar_bitmask(self, so: SchedulerOutput) -> None:
         """Give the step the grammar bitmask of each request that samples under one (after `resolve`:
@@ -526,7 +559,7 @@ class LLMEngine:
             self.kv_events.publish(self.kv.take_events())
         if self.profiler is not None:
             self.profiler.record(len(so.requests), so.num_tokens, schedule_s, result.timings,
-                                 time.perf_counter() - t_output)
+                                 time.perf_counter() - t_output, self._spec_step if self.spec is not None else None)
 
     def _process(self, so: SchedulerOutput, result: RunnerOutput,
                  changed: list[tuple[Request, list[int]]]) -> list[RequestOutput]:
@@ -543,9 +576,12 @@ class LLMEngine:
                 request.first_token_time = now
                 if request.deadline is not None and now > request.deadline:
                     self.scheduler.note_deadline_missed(request, now, "first token")
-            for token in tokens:
-                self._process_token(child, token)
+            for n, token in enumerate(tokens, 1):
+                self._process_token(child, token, len(tokens) - n)
                 if child.final_text is not None:
+                    if n < len(tokens):  # speculative decoding took tokens past the stop: drop them
+                        del request.output_token_ids[n - len(tokens):]
+                        del request.logprobs[len(request.output_token_ids):]
                     break
             if child.final_text is not None:
                 request.finished_time = now
@@ -556,10 +592,11 @@ class LLMEngine:
                 touched.add(self._children[item.request_id][0].request_id)
         return self._outputs(touched)
 
-    def _process_token(self, child: _Child, token: int) -> None:
+    def _process_token(self, child: _Child, token: int, ahead: int = 0) -> None:
+        """`ahead`: tokens of the same update after this one (speculative decoding takes several at once)."""
         r, p = child.request, child.request.params
         delta = child.detok.add(token)
-        n_out = len(r.output_token_ids)
+        n_out = len(r.output_token_ids) - ahead
         can_stop = n_out >= p.min_tokens
         if can_stop and token in p.stop_token_ids:
             r.finish_reason, r.stop_reason = "stop", token
@@ -576,7 +613,7 @@ class LLMEngine:
                 r.finish_reason, r.stop_reason = "stop", stop
                 child.final_text = text[: idx + len(stop)] if p.include_stop_str_in_output else text[:idx]
                 return
-        if r.finish_reason is None and (n_out >= (p.max_tokens or 1 << 30) or r.num_tokens >= self.max_model_len):
+        if r.finish_reason is None and (n_out >= (p.max_tokens or 1 << 30) or r.num_tokens - ahead >= self.max_model_len):
             r.finish_reason = "length"
         if r.finish_reason is None and r.grammar is not None and r.grammar.terminated:
             r.finish_reason = "stop"  # the grammar ended (its stop token was taken, even with ignore_eos)
@@ -596,6 +633,8 @@ class LLMEngine:
                 del self._parents[pid]
                 for child in parent.children:
                     self._children.pop(child.request.request_id, None)
+                    if self.proposer is not None:
+                        self.proposer.finish(child.request.request_id)
                 self._finished(out)
         return outs
 
@@ -633,7 +672,9 @@ class LLMEngine:
             num_generated_tokens=sum(len(c.request.output_token_ids) for c in parent.children),
             num_preemptions=sum(c.request.num_preemptions for c in parent.children),
             num_cached_tokens=first.num_cached_tokens or 0,
-            ttft_slo_missed=any(c.request.ttft_slo_missed for c in parent.children))
+            ttft_slo_missed=any(c.request.ttft_slo_missed for c in parent.children),
+            spec_num_draft_tokens=sum(c.request.num_draft_tokens for c in parent.children),
+            spec_num_accepted_tokens=sum(c.request.num_accepted_tokens for c in parent.children))
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions,
                              parent.finished, metrics,
                              first.prompt_logprobs if parent.params.prompt_logprobs is not None else None,

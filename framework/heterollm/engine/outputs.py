@@ -22,6 +22,15 @@ class RequestMetrics:
     """Prompt tokens served from the prefix cache (OpenAI usage.prompt_tokens_details.cached_tokens)."""
     ttft_slo_missed: bool = False
     """The request asked for a first token within `ttft_slo_ms` and did not get it in time."""
+    spec_num_draft_tokens: int = 0
+    """Speculative decoding: drafts verified for the request's sequences."""
+    spec_num_accepted_tokens: int = 0
+    """Of those, accepted by the target (each step also emits one token of the target's own)."""
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted drafts / verified drafts (None when no draft was verified)."""
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else None
 
     @property
     def ttft(self) -> float | None:

@@ -21,10 +21,13 @@ class StepRecord:
     num_seqs: int
     num_tokens: int
     seconds: dict[str, float]
+    spec: tuple[int, int, int] | None = None
+    """Speculative decoding: (verifications, drafts, accepted drafts) of the step."""
 
     @property
     def is_decode(self) -> bool:
-        return self.num_tokens == self.num_seqs
+        """One token per sequence (drafts to verify aside)."""
+        return self.num_tokens - (self.spec[1] if self.spec else 0) == self.num_seqs
 
     @property
     def total(self) -> float:
@@ -40,14 +43,18 @@ class StepProfiler:
     model: Any = None
     """The latency-aware scheduler's step-time model, described in each summary when there is one."""
 
-    def record(self, num_seqs: int, num_tokens: int, schedule: float, runner: dict[str, float], output: float) -> None:
+    def record(self, num_seqs: int, num_tokens: int, schedule: float, runner: dict[str, float], output: float,
+               spec: tuple[int, int, int] | None = None) -> None:
+        """`runner`'s "draft" (a draft model's proposals) counts as sampling time."""
         seconds = {"schedule": schedule, **{k: runner.get(k, 0.0) for k in ("prepare", "forward", "sample")},
                    "output": output}
-        rec = StepRecord(num_seqs, num_tokens, seconds)
+        seconds["sample"] += runner.get("draft", 0.0)
+        rec = StepRecord(num_seqs, num_tokens, seconds, spec)
         self.records.append(rec)
         self.num_steps += 1
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("step %d: %d seqs, %d tokens, %s", self.num_steps, num_seqs, num_tokens, _fmt(seconds))
+            logger.debug("step %d: %d seqs, %d tokens, %s%s", self.num_steps, num_seqs, num_tokens, _fmt(seconds),
+                         f", {spec[2]}/{spec[1]} drafts accepted" if spec else "")
         if len(self.records) >= self.window:
             self.flush()
 
@@ -65,6 +72,12 @@ class StepProfiler:
                 tokens = sum(r.num_tokens for r in recs) / len(recs)
                 parts.append(f"{label} x{len(recs)} ({seqs:.1f} seqs, {tokens:.0f} tokens): "
                              f"{1000 * sum(mean.values()):.1f} ms = {_fmt(mean)}")
+        spec = [r.spec for r in self.records if r.spec is not None]
+        if spec:
+            checks, drafts, accepted = (sum(s[i] for s in spec) for i in range(3))
+            parts.append(f"speculative: {drafts} drafts in {checks} verifications, acceptance "
+                         f"{100 * accepted / drafts if drafts else 0:.1f}%, mean accepted length "
+                         f"{1 + accepted / checks if checks else 1:.2f} tokens per step")
         if self.model is not None:
             parts.append(self.model.describe())
         logger.info("step time: %s", "; ".join(parts))

@@ -45,6 +45,9 @@ class ScheduledRequest:
     pooling: PoolingParams | None = None
     """An embedding or scoring request: pooled instead of sampled once `sample` is True (its prompt
     is complete); None for a generation request."""
+    num_spec_tokens: int = 0
+    """Speculative decoding: the last `num_spec_tokens` of `new_token_ids` are drafts to verify (the
+    step samples up to num_spec_tokens + 1 tokens for the request)."""
 
 
 @dataclass
@@ -75,7 +78,8 @@ class TokenLogprobs:
 
 @dataclass
 class RunnerOutput:
-    """Per scheduled request: the sampled tokens (empty for an unfinished prefill chunk)."""
+    """Per scheduled request: the sampled tokens (empty for an unfinished prefill chunk; with
+    speculative decoding, the accepted drafts and the target's own next token)."""
 
     request_ids: list[str]
     sampled_token_ids: list[list[int]]
@@ -84,6 +88,9 @@ class RunnerOutput:
     pooled: list[torch.Tensor | None] | None = None
     """Per scheduled request: the pooled output (CPU, fp32) of a pooling request whose prompt this step
     completed, else None; None when the step held no pooling request."""
+    spec_token_ids: list[list[int]] | None = None
+    """Per scheduled request: the drafts a worker-side proposer (a draft model) made for its next
+    step ([] for none); None when no worker-side proposer runs."""
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds spent in this step's phases on the worker ("prepare", "forward", "sample"), for
     --enable_profile_step_time."""

@@ -26,7 +26,10 @@ from heterollm.model_executor.quant_linear import attach_quantized, checkpoint_m
 from heterollm.model_executor.registry import get_model_class
 from heterollm.model_executor.weight_update import WeightUpdate, WeightUpdateError
 from heterollm.pooling.pooler import Pooler
-from heterollm.sampling.sampler import Sampler, SamplingRow, gather_logprobs
+from heterollm.sampling.sampler import Sampler, SamplingRow, gather_logprobs, wants_logprobs
+from heterollm.spec_decode import resolve_spec
+from heterollm.spec_decode.draft import DraftModel, rank_seed
+from heterollm.spec_decode.rejection import verify
 
 if TYPE_CHECKING:
     from heterollm.interfaces import Platform
@@ -175,6 +178,8 @@ class ModelRunner:
         self.profiler = None
         self.load_seconds = 0.0
         self.checkpoint_reads = ReadStats()
+        self.drafter: Any = None
+        """Speculative decoding with a draft model (spec_decode/draft.py): loaded with the target."""
 
     # -- set-up ----------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -228,6 +233,10 @@ class ModelRunner:
         self.weight_bytes = model_bytes(model)
         self.load_seconds = time.perf_counter() - started
         self.checkpoint_reads = reads
+        spec = resolve_spec(self.config)
+        if spec is not None and spec.method == "draft_model":
+            self.drafter = DraftModel(self, spec)
+            self.drafter.load()
         logger.info("loaded %s (%s, %.1f MiB of weights, %s%s) in %.2fs; --load_choices %s handed "
                     "the weight loaders %.1f of the checkpoint's %.1f MiB", type(model).__name__, where, self.weight_bytes / 2**20,
                     str(self.dtype).removeprefix("torch."),
@@ -235,8 +244,10 @@ class ModelRunner:
                     self.load_seconds, self.config.fastdeploy.load_choices, reads.read / 2**20, reads.stored / 2**20)
 
     def kv_bytes_per_block(self) -> int:
+        """Per block of the cache: the target's K/V, plus a draft model's when one runs."""
         layers, kv_heads, head_dim = self.model.kv_geometry
-        return layers * 2 * self.block_size * kv_heads * head_dim * torch.empty((), dtype=self.dtype).element_size()
+        own = layers * 2 * self.block_size * kv_heads * head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return own + (self.drafter.kv_bytes_per_block() if self.drafter is not None else 0)
 
     def activation_peak_bytes(self, num_tokens: int) -> int:
         """Peak activation for a step of `num_tokens`: hidden states, q/k/v, MLP intermediates and
@@ -253,7 +264,7 @@ class ModelRunner:
         memory's figures, weights, activation peak and bytes per block. Sizes nothing itself."""
         free, total = self.platform.memory_info()
         return RankMemory(device=device_key(self.platform.device_type), total=total, free=free,
-                          weights=self.weight_bytes,
+                          weights=self.weight_bytes + (self.drafter.weight_bytes if self.drafter is not None else 0),
                           activation_peak=self.activation_peak_bytes(self.config.scheduler.max_tokens_per_batch),
                           kv_bytes_per_block=self.kv_bytes_per_block())
 
@@ -267,6 +278,8 @@ class ModelRunner:
         # a slot that has not been written for the sequence reading it
         try:
             self.kv_caches = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
+            if self.drafter is not None:
+                self.drafter.initialize_cache(num_blocks)
         except (RuntimeError, MemoryError) as exc:  # the device's out-of-memory errors are RuntimeErrors
             self.kv_caches = []
             want = num_blocks * self.kv_bytes_per_block()
@@ -315,8 +328,13 @@ class ModelRunner:
         """A request with a seed samples from its own generator, kept across steps (and across a
         preemption), so its output does not depend on what else is in the batch."""
         seed = r.sampling.params.seed
-        if seed is None or r.sampling.params.greedy:
+        if r.sampling.params.greedy:
             return None
+        if seed is None:
+            if self.drafter is None or self.pctx.tp_size == 1:
+                return None
+            # a draft model's sampled drafts feed its sharded forward: every rank must draw alike
+            seed = rank_seed(r.request_id)
         gen = self.generators.get(r.request_id)
         if gen is None:
             gen = self.generators[r.request_id] = torch.Generator(device=self.device)
@@ -327,6 +345,8 @@ class ModelRunner:
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
         for request_id in so.finished_request_ids:
             self.generators.pop(request_id, None)
+        if self.drafter is not None:
+            self.drafter.forget(so.finished_request_ids)
         self.pooler.forget(so.finished_request_ids)
         reqs = so.requests
         if not reqs:
@@ -344,13 +364,17 @@ class ModelRunner:
             if r.want_prompt_logprobs:
                 prompt_lps[i] = self._prompt_logprobs(r, hidden[ends[i] - len(r.new_token_ids):ends[i]])
         t3 = time.perf_counter()
+        drafts = None
+        if self.drafter is not None:
+            drafts = self.drafter.propose(reqs, [sampled[i][0] if i in sampled else [] for i in range(len(reqs))])
+        t4 = time.perf_counter()
         return RunnerOutput(
             request_ids=[r.request_id for r in reqs],
-            sampled_token_ids=[[sampled[i][0]] if i in sampled else [] for i in range(len(reqs))],
-            logprobs=[[sampled[i][1]] if i in sampled and sampled[i][1] is not None else None
-                      for i in range(len(reqs))],
-            prompt_logprobs=prompt_lps, pooled=pooled,
-            timings={"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2})
+            sampled_token_ids=[sampled[i][0] if i in sampled else [] for i in range(len(reqs))],
+            logprobs=[sampled[i][1] if i in sampled else None for i in range(len(reqs))],
+            prompt_logprobs=prompt_lps, pooled=pooled, spec_token_ids=drafts,
+            timings={"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2,
+                     **({"draft": t4 - t3} if self.drafter is not None else {})})
 
     def _prepare(self, reqs: list[ScheduledRequest]) -> StepInputs:
         """Flatten the step's new tokens and build the attention metadata."""
@@ -359,26 +383,67 @@ class ModelRunner:
         for r in reqs:
             ids += r.new_token_ids
             positions += range(r.num_computed_tokens, r.num_computed_tokens + len(r.new_token_ids))
+        bs = self.block_size
+        # a table may run past the step's tokens (a draft model's lookahead slots): pass only the step's blocks
         inputs = AttentionInputs(query_lens=[len(r.new_token_ids) for r in reqs],
                                  context_lens=[r.num_computed_tokens for r in reqs],
-                                 block_tables=[r.block_ids for r in reqs], block_size=self.block_size)
+                                 block_tables=[r.block_ids[:-(-(r.num_computed_tokens + len(r.new_token_ids)) // bs)]
+                                               for r in reqs], block_size=bs)
         meta = self.attn_backend.build_metadata(inputs, self.device)
         ctx = ForwardContext(self.attn_backend, meta, self.kv_caches)
         return StepInputs(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), ctx)
 
     def _sample(self, reqs: list[ScheduledRequest], hidden: torch.Tensor, ends: list[int],
-                grammar_bitmask: torch.Tensor | None = None) -> dict[int, tuple[int, TokenLogprobs | None]]:
-        """Sample the requests that finish their step's tokens: batch index -> (token, logprobs).
-        Requests with a grammar sample under their row of `grammar_bitmask`."""
+                grammar_bitmask: torch.Tensor | None = None) -> dict[int, tuple[list[int], list[TokenLogprobs] | None]]:
+        """Sample the requests that finish their step's tokens: batch index -> (tokens, their logprobs
+        or None). Requests with a grammar sample under their row of `grammar_bitmask`; requests with
+        drafts (speculative decoding) verify them and take 1 to k + 1 tokens."""
         sample_idx = [i for i, r in enumerate(reqs) if r.sample and r.pooling is None]
         if not sample_idx:
             return {}
-        rows_h = hidden[torch.tensor([ends[i] - 1 for i in sample_idx], device=self.device)]
-        logits = self.model.compute_logits(rows_h)
-        rows = [SamplingRow(reqs[i].sampling.params, self._generator(reqs[i]), reqs[i].prompt_token_ids,
-                            reqs[i].output_token_ids) for i in sample_idx]
-        tokens, lps = self.sampler(logits, rows, _bitmask_rows(grammar_bitmask, [reqs[i] for i in sample_idx]))
-        return {i: (t, lp) for i, t, lp in zip(sample_idx, tokens, lps)}
+        plain = [i for i in sample_idx if not reqs[i].num_spec_tokens]
+        spec = [i for i in sample_idx if reqs[i].num_spec_tokens]
+        positions = [ends[i] - 1 for i in plain]
+        for i in spec:
+            positions += range(ends[i] - 1 - reqs[i].num_spec_tokens, ends[i])
+        logits = self.model.compute_logits(hidden[torch.tensor(positions, device=self.device)])
+        out: dict[int, tuple[list[int], list[TokenLogprobs] | None]] = {}
+        if plain:
+            rows = [SamplingRow(reqs[i].sampling.params, self._generator(reqs[i]), reqs[i].prompt_token_ids,
+                                reqs[i].output_token_ids) for i in plain]
+            tokens, lps = self.sampler(logits[:len(plain)], rows,
+                                       _bitmask_rows(grammar_bitmask, [reqs[i] for i in plain]))
+            out.update((i, ([t], None if lp is None else [lp])) for i, t, lp in zip(plain, tokens, lps))
+        if spec:
+            out.update(self._verify([reqs[i] for i in spec], spec, logits[len(plain):]))
+        return out
+
+    def _verify(self, reqs: list[ScheduledRequest], index: list[int],
+                logits: torch.Tensor) -> dict[int, tuple[list[int], list[TokenLogprobs] | None]]:
+        """Speculative decoding: each request's k + 1 rows of `logits` (row j after the first j drafts)
+        verified against its drafts (spec_decode/rejection.py); its logprobs are the target's."""
+        rows: list[SamplingRow] = []
+        for r in reqs:
+            drafts = r.new_token_ids[-r.num_spec_tokens:]
+            gen = self._generator(r)
+            rows += [SamplingRow(r.sampling.params, gen, r.prompt_token_ids, r.output_token_ids + drafts[:j])
+                     for j in range(r.num_spec_tokens + 1)]
+        processed, raw_logprobs = self.sampler.prepare(logits, rows)
+        out = {}
+        first = 0
+        for i, r in zip(index, reqs):
+            k = r.num_spec_tokens
+            drafts = r.new_token_ids[-k:]
+            q = self.drafter.draft_probs(r.request_id, drafts) if self.drafter is not None else None
+            tokens = verify(processed[first:first + k + 1], drafts, r.sampling.params, rows[first].generator, q)
+            lps = None
+            if raw_logprobs is not None and wants_logprobs(rows[first]):
+                chosen = torch.tensor(tokens, device=raw_logprobs.device)
+                lps = gather_logprobs(raw_logprobs[first:first + len(tokens)], chosen,
+                                      [r.sampling.params.logprobs or 0] * len(tokens))
+            out[i] = (tokens, lps)
+            first += k + 1
+        return out
 
     def _prompt_logprobs(self, r: ScheduledRequest, hidden: torch.Tensor) -> list[TokenLogprobs | None]:
         """Logprobs of prompt tokens start+1 .. end (position j predicts token j + 1)."""
@@ -431,4 +496,5 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         self.kv_caches = []
+        self.drafter = None
         self.model = None

@@ -154,23 +154,32 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     return logits.masked_fill(~allowed, float("-inf"))
 
 
-def sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """One token per row of `logits` (rows, vocab): temperature, top-k / top-p / min-p, then a draw
-    with each row's own generator. Every tensor it builds lives on `logits.device`."""
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from: its logits over the temperature, restricted by top-k /
+    top-p / min-p, softmaxed (rows, vocab). Every tensor it builds lives on `logits.device`."""
     device, dtype = logits.device, logits.dtype
-    params = [r.params for r in rows]
     temps = torch.tensor([p.temperature for p in params], dtype=dtype, device=device).unsqueeze(1)
     logits = apply_top_k_top_p_min_p(
         logits / temps,
         torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
         torch.tensor([p.top_p for p in params], dtype=dtype, device=device),
         torch.tensor([p.min_p for p in params], dtype=dtype, device=device))
-    probs = logits.softmax(-1)
-    # exponential race: argmax(p / E), E ~ Exp(1), samples from p; per-request generators
+    return logits.softmax(-1)
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of `probs` (rows, vocab), each row drawn with its own generator (None: the
+    global one): the exponential race argmax(p / E), E ~ Exp(1), samples from p."""
     noise = torch.empty_like(probs)
-    for j, row in enumerate(rows):
-        noise[j].exponential_(generator=row.generator)
+    for j, generator in enumerate(generators):
+        noise[j].exponential_(generator=generator)
     return (probs / noise).argmax(-1)
+
+
+def sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """One token per row of `logits` (rows, vocab): temperature, top-k / top-p / min-p, then a draw
+    with each row's own generator. Every tensor it builds lives on `logits.device`."""
+    return draw(sampling_probs(logits, [r.params for r in rows]), [r.generator for r in rows])
 
 
 class Sampler:
@@ -181,14 +190,8 @@ class Sampler:
                  bitmask: torch.Tensor | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
         """`bitmask`: the rows' packed grammar masks (structured output), or None; reported
         logprobs are those of the constrained distribution, as vLLM reports them."""
-        logits = logits.float()
-        if bitmask is not None:
-            logits = apply_token_bitmask(logits, bitmask)
-        want_lp = [r.params.logprobs is not None or r.params.needs_cumulative_logprob for r in rows]
-        raw_logprobs = logits.log_softmax(-1) if any(want_lp) else None
-        logits = apply_logits_processors(logits, rows)
-        if any(r.params.has_penalties for r in rows):
-            logits = apply_penalties(logits.clone(), rows)
+        logits, raw_logprobs = self.prepare(logits, rows, bitmask)
+        want_lp = [wants_logprobs(r) for r in rows]
         chosen = logits.argmax(-1)
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:
@@ -201,3 +204,22 @@ class Sampler:
             for i, g in zip(sel, got):
                 lps[i] = g
         return chosen.tolist(), lps
+
+    @staticmethod
+    def prepare(logits: torch.Tensor, rows: list[SamplingRow],
+                bitmask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the logits every row samples from: fp32, grammar-masked, logits processors and penalties
+        applied; the model's own logprobs after the grammar mask, when a row wants logprobs, else None)."""
+        logits = logits.float()
+        if bitmask is not None:
+            logits = apply_token_bitmask(logits, bitmask)
+        raw_logprobs = logits.log_softmax(-1) if any(wants_logprobs(r) for r in rows) else None
+        logits = apply_logits_processors(logits, rows)
+        if any(r.params.has_penalties for r in rows):
+            logits = apply_penalties(logits.clone(), rows)
+        return logits, raw_logprobs
+
+
+def wants_logprobs(row: SamplingRow) -> bool:
+    """Whether the request reports logprobs (or ranks sequences by them: best_of > n)."""
+    return row.params.logprobs is not None or row.params.needs_cumulative_logprob

@@ -69,6 +69,12 @@ class Request:
     with `pooled` instead of a token; None for a generation request."""
     pooled: Any = None
     """The pooled output (a CPU tensor) once the runner has produced it."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Speculative decoding: drafts for the request's next decode step (set between steps)."""
+    num_draft_tokens: int = 0
+    """Drafts the request's steps verified."""
+    num_accepted_tokens: int = 0
+    """Of those, accepted."""
 
     @functools.cached_property
     def sampling_info(self) -> SamplingInfo:

@@ -38,6 +38,8 @@ class _Step:
     protect: bool = False
     """Decodes are running and latency-aware admission keeps their TPOT target."""
     scheduled: dict[str, int] = field(default_factory=dict)
+    drafts: dict[str, list[int]] = field(default_factory=dict)
+    """Speculative decoding: the drafts scheduled with a request's decode (the tail of its tokens)."""
     shape: list[tuple[int, int]] = field(default_factory=list)
     """(tokens, cached context) of each request taken, for the step-time model."""
 
@@ -45,8 +47,12 @@ class _Step:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  in_batch_prefix_cache: bool = False, policy: SchedulingPolicy | None = None,
-                 clock: Callable[[], float] = time.monotonic, latency: LatencyTargets | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, latency: LatencyTargets | None = None,
+                 lookahead: int = 0) -> None:
         self.config = config
+        self.lookahead = lookahead
+        """Speculative decoding with a draft model: KV slots past a sampling step's tokens that the
+        worker writes while it drafts (allocated with the step when the cache has room)."""
         self.latency = latency
         """--enable_latency_aware_schedule: prefill chunks are held back to keep running decodes' TPOT."""
         self.policy = policy or SchedulingPolicy(config)
@@ -124,6 +130,7 @@ class Scheduler:
         self.running.remove(victim)
         self.kv.free(victim.request_id)
         victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -139,11 +146,11 @@ class Scheduler:
         if not self.config.enable_mix_batch and self.waiting and self._waiting_fits():
             self._admit_waiting(step)  # a prefill-only step
             if step.scheduled:
-                return self._build(step.scheduled)
+                return self._build(step)
         self._schedule_running(step)
         if self.config.enable_mix_batch or not step.scheduled:
             self._admit_waiting(step)
-        return self._build(step.scheduled)
+        return self._build(step)
 
     def _fit(self, step: _Step, request: Request, num_new: int, ctx: int) -> int:
         """The prefill tokens the TPOT target leaves room for (all of them when not protecting)."""
@@ -152,9 +159,11 @@ class Scheduler:
             return num_new
         return self.latency.cap(step.shape, num_new, ctx, step.chunked)
 
-    def _take(self, step: _Step, request: Request, num_new: int, ctx: int) -> None:
+    def _take(self, step: _Step, request: Request, num_new: int, ctx: int, drafts: list[int] | None = None) -> None:
         self._commit_now(request, num_new)
         step.scheduled[request.request_id] = num_new
+        if drafts:
+            step.drafts[request.request_id] = drafts
         step.shape.append((num_new, ctx))
         step.budget -= num_new
         step.seqs -= 1
@@ -171,7 +180,8 @@ class Scheduler:
             if num_new > step.budget:  # only without chunking: the whole prompt must fit this step
                 break
             num_new = self._fit(step, request, num_new, cached)
-            if num_new == 0 or self.kv.allocate(request.request_id, cached + num_new) is None:
+            if num_new == 0 or self.kv.allocate(request.request_id, cached + num_new + self._room(
+                    request, num_new, cached)) is None:
                 break
             request.num_computed_tokens = cached
             if request.num_cached_tokens is None:
@@ -211,14 +221,40 @@ class Scheduler:
                 num_new = self._fit(step, request, num_new, request.num_computed_tokens)
                 if num_new == 0:
                     continue
-            while self.kv.allocate(request.request_id, request.num_computed_tokens + num_new) is None:
+            drafts = self._drafts(request, step)
+            if drafts:
+                if self.kv.allocate(request.request_id, request.num_computed_tokens + num_new + len(drafts)
+                                    + self._room(request, num_new + len(drafts))) is not None:
+                    self._take(step, request, num_new + len(drafts), request.num_computed_tokens, drafts)
+                    continue
+                drafts = []  # no room for them: decode one token
+            while self.kv.allocate(request.request_id, request.num_computed_tokens + num_new
+                                   + self._room(request, num_new)) is None:
                 others = (r for r in self.running if r.request_id not in step.scheduled and r is not request)
                 victim = self.policy.victim(others, worse_than=None if self.policy.fcfs else request)
                 self._preempt(victim or request)
                 if victim is None:
                     break
             if request.status is RequestStatus.RUNNING:
-                self._take(step, request, num_new, request.num_computed_tokens)
+                self._take(step, request, num_new, request.num_computed_tokens, drafts)
+
+    def _drafts(self, request: Request, step: _Step) -> list[int]:
+        """The request's drafts that fit this step: a decode's, within the token budget, the context
+        length and max_tokens (the step may emit every draft plus one token)."""
+        if not request.spec_token_ids or not request.is_decoding:
+            return []
+        room = min(step.budget - 1, self.max_model_len - request.num_total_tokens - 1,
+                   (request.params.max_tokens or 1 << 30) - len(request.output_token_ids) - 1)
+        return request.spec_token_ids[:max(room, 0)]
+
+    def _room(self, request: Request, num_new: int, start: int | None = None) -> int:
+        """The lookahead slots to allocate with a step of `num_new` tokens: all of them when the step
+        samples and the cache has room beyond the step's own need, else none."""
+        start = request.num_computed_tokens if start is None else start
+        end = start + num_new
+        if not self.lookahead or end < request.num_total_tokens:
+            return 0
+        return self.lookahead if self.kv.can_allocate(request.request_id, end + self.lookahead) else 0
 
     def _order_waiting(self, now: float) -> None:
         """Sort the waiting queue by the policy, report requests past their TTFT deadline, and under
@@ -308,14 +344,17 @@ class Scheduler:
             num = min(num, self.chunk_size, self.config.max_tokens_per_batch)
         return self.kv.can_allocate(request.request_id, request.num_computed_tokens + num)
 
-    def _build(self, scheduled: dict[str, int]) -> SchedulerOutput:
-        """The step's batch; each request's computed count advances now, its sample becomes pending."""
+    def _build(self, step: _Step) -> SchedulerOutput:
+        """The step's batch; each request's computed count advances now (as if every draft were
+        accepted: `update` takes the rejected ones back), its sample becomes pending."""
         items = []
-        for request_id, num_new in scheduled.items():
+        for request_id, num_new in step.scheduled.items():
             r = self.requests[request_id]
             start = r.num_computed_tokens
-            tokens = r.all_token_ids[start:start + num_new]
-            sample = start + num_new == r.num_total_tokens
+            drafts = step.drafts.get(request_id, [])
+            known = num_new - len(drafts)
+            tokens = r.all_token_ids[start:start + known]
+            sample = start + known == r.num_total_tokens
             item = ScheduledRequest(
                 request_id=request_id, new_token_ids=tokens, num_computed_tokens=start,
                 block_ids=list(self.kv.tables[request_id]), sample=sample, sampling=r.sampling_info,
@@ -323,8 +362,12 @@ class Scheduler:
                 want_prompt_logprobs=r.params.prompt_logprobs is not None
                 and start < r.num_prompt_tokens - 1 and min(start + num_new, r.num_prompt_tokens - 1) >= self._have(r))
             items.append(item)
-            if len(tokens) < num_new:  # the input is a token the step in flight samples
+            if len(tokens) < known:  # the input is a token the step in flight samples
                 self._unresolved.append((item, r, num_new))
+            if drafts:
+                item.new_token_ids = tokens + drafts
+                item.num_spec_tokens = len(drafts)
+            r.spec_token_ids = []
             r.num_computed_tokens = start + num_new
             r.num_pending += sample
         finished, self._finished_since_last = self._finished_since_last, []
@@ -355,11 +398,15 @@ class Scheduler:
             if r is None:
                 continue
             r.num_pending -= item.sample
-            end = item.num_computed_tokens + len(item.new_token_ids)
-            if (r.status is RequestStatus.RUNNING and r.num_computed_tokens >= end
-                    and self.kv.commit_due(r.request_id, end)):
-                self.kv.commit(r.request_id, r.all_token_ids, end)
             tokens, lps, plps = sampled.get(item.request_id, ([], None, None))
+            end = item.num_computed_tokens + len(item.new_token_ids)
+            if item.num_spec_tokens and r.status is RequestStatus.RUNNING:
+                accepted = max(len(tokens) - 1, 0)
+                rejected = item.num_spec_tokens - accepted
+                r.num_draft_tokens += item.num_spec_tokens
+                r.num_accepted_tokens += accepted
+                r.num_computed_tokens -= rejected
+                end -= rejected
             if plps is not None:  # after a preemption, the recomputed chunks repeat positions already had
                 r.prompt_logprobs = (r.prompt_logprobs or [None]) + plps[self._have(r) - item.num_computed_tokens - 1:]
             if pooled.get(item.request_id) is not None:
@@ -370,4 +417,10 @@ class Scheduler:
                 if lps:
                     r.logprobs.extend(lps)
                 changed.append((r, tokens))
+            # accepted drafts are known tokens now: the blocks they complete can be cached
+            if (r.status is RequestStatus.RUNNING and r.num_computed_tokens >= end
+                    and self.kv.commit_due(r.request_id, end)):
+                self.kv.commit(r.request_id, r.all_token_ids, end)
+            if item.num_spec_tokens and r.status is RequestStatus.RUNNING:
+                self.kv.trim(r.request_id, r.num_tokens + self.lookahead)  # the rejected drafts' slots
         return changed
