@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import random
 
+import torch
+
 import pytest
 
 from heterollm import LLM
@@ -188,8 +190,8 @@ def test_tensor_parallel_draft_model(models):
     (dict(num_speculative_tokens=2), "--speculative_algorithm=MTP: needs multi-token-prediction heads"),
     (dict(num_speculative_tokens=2, speculative_algorithm="Eagle3"), "--speculative_algorithm=Eagle3"),
     (dict(num_speculative_tokens=2, speculative_algorithm="draft_model"), "needs --draft_model"),
-    (dict(num_speculative_tokens=2, speculative_algorithm="Suffix", speculative_suffix_use_tree_spec=True),
-     "--speculative_suffix_use_tree_spec"),
+    (dict(num_speculative_tokens=2, speculative_algorithm="ngram", speculative_suffix_use_tree_spec=True),
+     "--speculative_suffix_use_tree_spec: tunes Suffix decoding"),
     (dict(num_speculative_tokens=2, speculative_algorithm="ngram", enable_probabilistic_draft=True),
      "--enable_probabilistic_draft"),
     (dict(num_speculative_tokens=2, speculative_algorithm="ngram", enable_schedule_overlap=True),
@@ -294,3 +296,138 @@ def test_skipping_rejection_is_caught(models, reference_pairs, monkeypatch):
     got, _ = _pair_counts(models["llama"], **NGRAM_EVERYWHERE)
     stat, df = _chi2(got, reference_pairs)
     assert stat > CHI2_CRITICAL_001[df]
+
+
+# -- tree speculation ------------------------------------------------------------------------------------
+TREE = dict(speculative_algorithm="Suffix", num_speculative_tokens=6, speculative_suffix_use_tree_spec=True)
+
+
+class OracleTree:
+    """Draft trees built from the known greedy answer: the right continuation sits on the first
+    path on even steps and in a second branch on odd ones (its K/V then lands in slots that are not
+    its positions' and must be recomputed), with wrong siblings beside it."""
+
+    def __init__(self, answers: dict[tuple[int, ...], list[int]]) -> None:
+        self.answers = answers
+        self.side = 0
+
+    def propose_tree(self, request_id, token_ids, num_prompt_tokens, k):
+        answer = self.answers[tuple(token_ids[:num_prompt_tokens])]
+        done = len(token_ids) - num_prompt_tokens
+        right = answer[done:done + 3]
+        if not right:
+            return [], []
+        wrong = 5 + (right[0] + 1) % 300
+        self.side += 1
+        if self.side % 2:  # wrong branch first: the right path is the second subtree
+            tokens, parents = [wrong, wrong], [-1, 0]
+        else:
+            tokens, parents = [], []
+        base = len(tokens)
+        for j, t in enumerate(right):
+            tokens.append(t)
+            parents.append(-1 if j == 0 else base + j - 1)
+        tokens.append(wrong)  # a wrong sibling of the right path's second node
+        parents.append(base)
+        return tokens[:k], parents[:k]
+
+    def finish(self, request_id):
+        pass
+
+
+def test_tree_verification_keeps_greedy_output(models):
+    prompts = _prompts(9)
+    want, _, _ = _run(models["llama"], prompts, GREEDY)
+    answers = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, want)}
+    llm = LLM(str(models["llama"]), **BASE, **TREE)
+    try:
+        llm.engine.proposer = OracleTree(answers)
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        stats, free = llm.engine.spec_stats, llm.engine.kv.num_free_blocks
+    finally:
+        llm.shutdown()
+    assert _tokens(got) == _tokens(want)
+    assert free == 256
+    # every step accepts the right path (3 drafts, or fewer near the end)
+    assert stats.num_accepted_tokens >= 2 * stats.num_drafts
+
+
+class FixedTree:
+    """The same small tree after every token: children 11, 33 and 55 of the last token, 22 under 11,
+    44 under 33 (allowed tokens of the distribution test)."""
+
+    def propose_tree(self, request_id, token_ids, num_prompt_tokens, k):
+        return [11, 22, 33, 44, 55][:k], [-1, 0, -1, 2, -1][:k]
+
+    def finish(self, request_id):
+        pass
+
+
+def _tree_pairs(folder):
+    # max_tokens 8: the second step has room for the whole tree (a step never drafts past max_tokens)
+    params = [SamplingParams(n=50, seed=1000 * i, temperature=1.0, max_tokens=8, ignore_eos=True,
+                             allowed_token_ids=ALLOWED) for i in range(8)]
+    llm = LLM(str(folder), **{**BASE, "num_gpu_blocks_override": 4096, **TREE})
+    try:
+        llm.engine.proposer = FixedTree()
+        outs = llm.generate([{"prompt_token_ids": ALLOWED * 4}] * 8, params)
+        stats = llm.engine.spec_stats
+    finally:
+        llm.shutdown()
+    counts: dict[tuple[int, int], int] = {}
+    for o in outs:
+        for c in o.outputs:
+            counts[tuple(c.token_ids[:2])] = counts.get(tuple(c.token_ids[:2]), 0) + 1
+    return counts, stats
+
+
+def _second(pairs: dict) -> dict:
+    """The second token's counts (where a tree's bias would sit: the first token has no drafts)."""
+    out: dict[int, int] = {}
+    for (_, second), n in pairs.items():
+        out[second] = out.get(second, 0) + n
+    return out
+
+
+def test_tree_rejection_sampling_keeps_the_distribution(models, reference_pairs):
+    got, stats = _tree_pairs(models["llama"])
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    for a, b in ((got, reference_pairs), (_second(got), _second(reference_pairs))):
+        stat, df = _chi2(a, b)
+        assert stat < CHI2_CRITICAL_001[df], (stat, df)
+
+
+def test_tree_rejection_without_residual_is_caught(models, reference_pairs, monkeypatch):
+    """Planted bug: a rejected child's token is not taken out of the distribution that the next
+    child is tried against and that the final token is drawn from. The same check fails."""
+    import heterollm.model_executor.runner as runner
+    from heterollm.spec_decode import rejection
+
+    def verify_tree_planted(logits, drafts, parents, params, generator):
+        children: dict[int, list[int]] = {}
+        for i, parent in enumerate(parents):
+            children.setdefault(parent, []).append(i)
+        node, tokens, rows = -1, [], []
+        while True:
+            rows.append(node + 1)
+            p = rejection.sampling_probs(logits[node + 1:node + 2], [params])[0]
+            for c in children.get(node, []):
+                if float(torch.rand(1, generator=generator)) < float(p[drafts[c]]):
+                    tokens.append(drafts[c])
+                    node = c
+                    break
+            else:
+                tokens.append(int(rejection.draw(p.unsqueeze(0), [generator])[0]))
+                return tokens, rows
+
+    monkeypatch.setattr(runner, "verify_tree", verify_tree_planted)
+    got, _ = _tree_pairs(models["llama"])
+    stat, df = _chi2(_second(got), _second(reference_pairs))
+    assert stat > CHI2_CRITICAL_001[df], (stat, df)
+
+
+def test_tree_needs_an_attention_backend_with_tree_masks(models):
+    """The example attention family (plugins/example_attention) has no tree masks: refused by name."""
+    with pytest.raises(LaunchError) as err:
+        LLM(str(models["llama"]), **BASE, **TREE, extension_impl="example")
+    assert "--speculative_suffix_use_tree_spec" in str(err.value) and "tree" in str(err.value)

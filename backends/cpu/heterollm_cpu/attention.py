@@ -7,7 +7,8 @@ contiguous (B, L, D) batch. A step's new K/V are scattered into their slots firs
 onto their KV head as (KV, B, H/KV, D), so GQA needs no repeated K/V; padding past each length is
 masked with -inf and the softmax runs in fp32. (For these shapes, 3 query rows per KV head and a
 few hundred keys, torch's SDPA on CPU is 3-10x slower than two bmm calls.) Each prefill chunk
-attends over its cached context plus its own tokens through SDPA with a causal offset mask. The
+attends over its cached context plus its own tokens through SDPA with a causal offset mask (a draft
+tree being verified: an ancestor mask among its new tokens). The
 gather plans are built once per step in `build_metadata` and shared by every layer. A layer's sliding
 window masks the keys before it (decode bias, prefill mask); the cache still holds them. Capped
 scores (Gemma 2's tanh soft-capping) run prefill chunks through explicit matmuls instead of SDPA.
@@ -47,6 +48,16 @@ def _write_kv(kv_cache: torch.Tensor, fresh_blocks: torch.Tensor, slots: torch.T
 # as plain index_copy_ calls, the cache (a graph input) would be written functionally, i.e. copied
 # whole on every step.
 torch.library.custom_op("heterollm_cpu::write_kv", _write_kv, mutates_args=("kv_cache",))
+
+
+def _ancestors(parents: list[int]) -> torch.Tensor:
+    """(n, n) boolean: row t is True at t and at every ancestor of t (parents[t] < t, -1: none)."""
+    n = len(parents)
+    mask = torch.eye(n, dtype=torch.bool)
+    for t, parent in enumerate(parents):
+        if parent >= 0:
+            mask[t] |= mask[parent]
+    return mask
 
 
 def _window_mask(num_queries: int, mask: torch.Tensor | None, window: int, device: torch.device) -> torch.Tensor:
@@ -89,6 +100,9 @@ class CpuAttentionMetadata(AttentionMetadata):
     prefills: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]] = field(default_factory=list)
     """(start, end, block ids covering positions 0..seq_len, causal mask (q, seq_len)); both None
     when the chunk has no cached context and attends to its own K/V."""
+    tree_positions: dict[int, torch.Tensor] = field(default_factory=dict)
+    """For a prefill entry verifying a draft tree (AttentionInputs.tree_parents): the position of each
+    of its keys (context, then each new token at its depth), which a sliding window is measured in."""
 
     def dynamic_dims(self) -> list[tuple[torch.Tensor, int]]:
         """The dimensions that change from one decode-only step to the next (batch, context blocks):
@@ -112,6 +126,10 @@ class CpuPagedAttention(AttentionBackend):
     def supports_logit_softcap(cls) -> bool:
         return True
 
+    @classmethod
+    def supports_tree_attention(cls) -> bool:
+        return True
+
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (2, num_kv_heads, num_blocks, block_size, head_dim)
 
@@ -126,7 +144,8 @@ class CpuPagedAttention(AttentionBackend):
         seq_lens = ctx_lens + q_lens
         starts = torch.cumsum(q_lens, 0) - q_lens
 
-        is_decode = (q_lens == 1) & (ctx_lens > 0)
+        trees = inputs.tree_parents or [None] * len(inputs.query_lens)
+        is_decode = (q_lens == 1) & (ctx_lens > 0) & torch.tensor([t is None for t in trees], dtype=torch.bool)
         meta = CpuAttentionMetadata(
             num_tokens=int(q_lens.sum()), slot_mapping=slots.to(device),
             query_start_loc=torch.cat([starts, q_lens.sum().view(1)]).to(device),
@@ -149,9 +168,16 @@ class CpuPagedAttention(AttentionBackend):
         for i in (~is_decode & (q_lens > 0)).nonzero().squeeze(1).tolist():
             s, ctx, total = int(starts[i]), int(ctx_lens[i]), int(seq_lens[i])
             blocks = mask = None
-            if ctx > 0:
+            if ctx > 0 or trees[i] is not None:
                 blocks = tables[i, :(total + bs - 1) // bs].to(device)
-                mask = (torch.arange(total).unsqueeze(0) <= torch.arange(ctx, total).unsqueeze(1)).to(device)
+                mask = torch.arange(total).unsqueeze(0) <= torch.arange(ctx, total).unsqueeze(1)
+                if trees[i] is not None:  # among the new tokens: itself and its ancestors only
+                    ancestors = _ancestors(trees[i])
+                    mask[:, ctx:] = ancestors
+                    # a key's position: its depth in the tree past the context (for sliding windows)
+                    depth = ancestors.sum(1) - 1
+                    meta.tree_positions[len(meta.prefills)] = torch.cat([torch.arange(ctx), ctx + depth]).to(device)
+                mask = mask.to(device)
             meta.prefills.append((s, s + int(q_lens[i]), blocks, mask))
         return meta
 
@@ -174,9 +200,13 @@ class CpuPagedAttention(AttentionBackend):
         if metadata.decode_rows is not None:
             rows = metadata.decode_rows
             out[rows] = self._decode(query[rows], kv_cache, metadata.decode_blocks, bias, scale, logit_softcap)
-        for s, e, blocks, mask in metadata.prefills:
+        for n, (s, e, blocks, mask) in enumerate(metadata.prefills):
             if sliding_window is not None:
-                mask = _window_mask(e - s, mask, sliding_window, query.device)
+                pos = metadata.tree_positions.get(n)
+                if pos is None:
+                    mask = _window_mask(e - s, mask, sliding_window, query.device)
+                else:
+                    mask = mask & (pos.unsqueeze(0) > pos[-(e - s):].unsqueeze(1) - sliding_window)
             q = query[s:e].transpose(0, 1).unsqueeze(0)  # (1, H, q, D)
             if blocks is None:  # no cached context: the chunk's own K/V, plain causal
                 k, v = key[s:e].transpose(0, 1), value[s:e].transpose(0, 1)

@@ -36,7 +36,7 @@ from heterollm.pooling.task import build_setup
 from heterollm.sampling import SamplingParams, StructuredOutputsParams
 from heterollm.sampling.structured import GrammarState, StructuredOutputManager
 from heterollm.scheduler import Scheduler
-from heterollm.spec_decode import make_proposer, resolve_spec
+from heterollm.spec_decode import check_spec_support, make_proposer, resolve_spec
 from heterollm.spec_decode.stats import SpecStats
 from heterollm.engine.latency_profile import latency_targets, profile_step_time, profile_token_budget, warm_up
 from heterollm.scheduler.policy import SchedulingPolicy
@@ -79,6 +79,7 @@ class LLMEngine:
         """(key, registry file) of this engine's entry in the host's memory registry, until shutdown."""
         self.selection = launch_selection(config, lambda: self._resolve_model().architectures)
         check_model_support(self.selection, self.source.hf_config)
+        check_spec_support(self.selection, config)
         self.plugins = make_plugin_manager()
         """The general plugins' request hooks (`heterollm.plugins`), built once per engine."""
         self.dtype = resolve_dtype(config.device.dtype, self.source.hf_config, self.selection.platform,
@@ -510,6 +511,9 @@ class LLMEngine:
                 continue
             if worker is not None:
                 request.spec_token_ids = worker.get(request.request_id, [])
+            elif self.spec.tree:
+                request.spec_token_ids, request.spec_parents = self.proposer.propose_tree(
+                    request.request_id, request.all_token_ids, request.num_prompt_tokens, k)
             elif self.proposer is not None:
                 request.spec_token_ids = self.proposer.propose(request.request_id, request.all_token_ids,
                                                                request.num_prompt_tokens, k)

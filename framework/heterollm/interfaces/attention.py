@@ -27,6 +27,12 @@ class AttentionInputs:
     """Block ids of each sequence, in order: the blocks holding its first context_lens + query_lens
     slots, no more (a block past them may hold anything, NaN included)."""
     block_size: int
+    tree_parents: list[list[int] | None] | None = None
+    """Speculative decoding's tree verification (only for a backend whose `supports_tree_attention()`):
+    per sequence None (causal, as always), or for each of its new tokens the index of its parent
+    among them (-1: none). New token t then attends to the cached context, to itself and to its
+    ancestors only, not to every new token before it. Slots still follow the tokens' order
+    (token t in slot context_lens + t); the model's positions (RoPE) are the caller's."""
 
     @property
     def num_decode_tokens(self) -> int:
@@ -105,6 +111,12 @@ class AttentionBackend(Component):
         """Whether `forward` honours `sliding_window`. False (the default): a launch whose model has a
         sliding-window layer (Mistral, Gemma 2/3, ...) is refused with that reason, so `forward` is
         never asked for a window."""
+        return False
+
+    @classmethod
+    def supports_tree_attention(cls) -> bool:
+        """Whether `build_metadata` honours `AttentionInputs.tree_parents`. False (the default):
+        tree speculation (--speculative_suffix_use_tree_spec) is refused at launch with that reason."""
         return False
 
     @classmethod

@@ -48,6 +48,9 @@ class ScheduledRequest:
     num_spec_tokens: int = 0
     """Speculative decoding: the last `num_spec_tokens` of `new_token_ids` are drafts to verify (the
     step samples up to num_spec_tokens + 1 tokens for the request)."""
+    spec_parents: list[int] | None = None
+    """Tree speculation: each draft's parent among the drafts (-1: the token before them), in
+    depth-first order; None: the drafts are one path."""
 
 
 @dataclass

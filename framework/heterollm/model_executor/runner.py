@@ -29,7 +29,7 @@ from heterollm.pooling.pooler import Pooler
 from heterollm.sampling.sampler import Sampler, SamplingRow, gather_logprobs, wants_logprobs
 from heterollm.spec_decode import resolve_spec
 from heterollm.spec_decode.draft import DraftModel, rank_seed
-from heterollm.spec_decode.rejection import verify
+from heterollm.spec_decode.rejection import verify, verify_tree
 
 if TYPE_CHECKING:
     from heterollm.interfaces import Platform
@@ -139,6 +139,17 @@ class _Recording:
     def __call__(self, param: Any, *args: Any) -> None:
         self.touched.add(self.name)
         self.inner(param, *args)
+
+
+def _histories(drafts: list[int], parents: list[int] | None) -> list[list[int]]:
+    """What each verification row has generated beyond the request's output: row 0 nothing, row
+    j + 1 the drafts from the root down to draft j (a path: drafts[:j + 1])."""
+    if parents is None:
+        return [drafts[:j] for j in range(len(drafts) + 1)]
+    out: list[list[int]] = [[]]
+    for j, parent in enumerate(parents):
+        out.append(out[parent + 1] + [drafts[j]])
+    return out
 
 
 def _bitmask_rows(bitmask: torch.Tensor | None, reqs: list[ScheduledRequest]) -> torch.Tensor | None:
@@ -380,15 +391,29 @@ class ModelRunner:
         """Flatten the step's new tokens and build the attention metadata."""
         ids: list[int] = []
         positions: list[int] = []
+        trees: list[list[int] | None] = []
         for r in reqs:
             ids += r.new_token_ids
-            positions += range(r.num_computed_tokens, r.num_computed_tokens + len(r.new_token_ids))
+            start = r.num_computed_tokens
+            if r.spec_parents is None:
+                positions += range(start, start + len(r.new_token_ids))
+                trees.append(None)
+                continue
+            # a draft tree: each draft at its depth (RoPE), attending to its ancestors only
+            known = len(r.new_token_ids) - r.num_spec_tokens
+            tree = list(range(-1, known - 1)) + [known - 1 if p < 0 else known + p for p in r.spec_parents]
+            depth: list[int] = []
+            for p in tree:
+                depth.append(0 if p < 0 else depth[p] + 1)
+            positions += [start + d for d in depth]
+            trees.append(tree)
         bs = self.block_size
         # a table may run past the step's tokens (a draft model's lookahead slots): pass only the step's blocks
         inputs = AttentionInputs(query_lens=[len(r.new_token_ids) for r in reqs],
                                  context_lens=[r.num_computed_tokens for r in reqs],
                                  block_tables=[r.block_ids[:-(-(r.num_computed_tokens + len(r.new_token_ids)) // bs)]
-                                               for r in reqs], block_size=bs)
+                                               for r in reqs], block_size=bs,
+                                 tree_parents=trees if any(t is not None for t in trees) else None)
         meta = self.attn_backend.build_metadata(inputs, self.device)
         ctx = ForwardContext(self.attn_backend, meta, self.kv_caches)
         return StepInputs(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), ctx)
@@ -426,8 +451,8 @@ class ModelRunner:
         for r in reqs:
             drafts = r.new_token_ids[-r.num_spec_tokens:]
             gen = self._generator(r)
-            rows += [SamplingRow(r.sampling.params, gen, r.prompt_token_ids, r.output_token_ids + drafts[:j])
-                     for j in range(r.num_spec_tokens + 1)]
+            rows += [SamplingRow(r.sampling.params, gen, r.prompt_token_ids, r.output_token_ids + history)
+                     for history in _histories(drafts, r.spec_parents)]
         processed, raw_logprobs = self.sampler.prepare(logits, rows)
         out = {}
         first = 0
@@ -435,11 +460,16 @@ class ModelRunner:
             k = r.num_spec_tokens
             drafts = r.new_token_ids[-k:]
             q = self.drafter.draft_probs(r.request_id, drafts) if self.drafter is not None else None
-            tokens = verify(processed[first:first + k + 1], drafts, r.sampling.params, rows[first].generator, q)
+            if r.spec_parents is not None:
+                tokens, taken = verify_tree(processed[first:first + k + 1], drafts, r.spec_parents,
+                                            r.sampling.params, rows[first].generator)
+            else:
+                tokens = verify(processed[first:first + k + 1], drafts, r.sampling.params, rows[first].generator, q)
+                taken = list(range(len(tokens)))
             lps = None
             if raw_logprobs is not None and wants_logprobs(rows[first]):
                 chosen = torch.tensor(tokens, device=raw_logprobs.device)
-                lps = gather_logprobs(raw_logprobs[first:first + len(tokens)], chosen,
+                lps = gather_logprobs(raw_logprobs[[first + t for t in taken]], chosen,
                                       [r.sampling.params.logprobs or 0] * len(tokens))
             out[i] = (tokens, lps)
             first += k + 1

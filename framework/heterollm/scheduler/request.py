@@ -71,6 +71,8 @@ class Request:
     """The pooled output (a CPU tensor) once the runner has produced it."""
     spec_token_ids: list[int] = field(default_factory=list)
     """Speculative decoding: drafts for the request's next decode step (set between steps)."""
+    spec_parents: list[int] | None = None
+    """Tree speculation: each draft's parent among the drafts (-1: the last known token); None: a path."""
     num_draft_tokens: int = 0
     """Drafts the request's steps verified."""
     num_accepted_tokens: int = 0

@@ -40,6 +40,8 @@ class _Step:
     scheduled: dict[str, int] = field(default_factory=dict)
     drafts: dict[str, list[int]] = field(default_factory=dict)
     """Speculative decoding: the drafts scheduled with a request's decode (the tail of its tokens)."""
+    parents: dict[str, list[int]] = field(default_factory=dict)
+    """Tree speculation: the scheduled drafts' parents (see Request.spec_parents)."""
     shape: list[tuple[int, int]] = field(default_factory=list)
     """(tokens, cached context) of each request taken, for the step-time model."""
 
@@ -131,6 +133,7 @@ class Scheduler:
         self.kv.free(victim.request_id)
         victim.num_computed_tokens = 0
         victim.spec_token_ids = []
+        victim.spec_parents = None
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -164,6 +167,8 @@ class Scheduler:
         step.scheduled[request.request_id] = num_new
         if drafts:
             step.drafts[request.request_id] = drafts
+            if request.spec_parents is not None:  # a depth-first prefix of a tree is a tree
+                step.parents[request.request_id] = request.spec_parents[:len(drafts)]
         step.shape.append((num_new, ctx))
         step.budget -= num_new
         step.seqs -= 1
@@ -367,7 +372,9 @@ class Scheduler:
             if drafts:
                 item.new_token_ids = tokens + drafts
                 item.num_spec_tokens = len(drafts)
+                item.spec_parents = step.parents.get(request_id)
             r.spec_token_ids = []
+            r.spec_parents = None
             r.num_computed_tokens = start + num_new
             r.num_pending += sample
         finished, self._finished_since_last = self._finished_since_last, []
@@ -402,7 +409,11 @@ class Scheduler:
             end = item.num_computed_tokens + len(item.new_token_ids)
             if item.num_spec_tokens and r.status is RequestStatus.RUNNING:
                 accepted = max(len(tokens) - 1, 0)
-                rejected = item.num_spec_tokens - accepted
+                # K/V in place: drafts are in slots by their order, so of a tree only the accepted
+                # nodes that lead its list (the first path) are where their positions want them; the
+                # rest of the accepted path is recomputed next step like a prefill chunk
+                rejected = item.num_spec_tokens - in_place(item.spec_parents, tokens[:accepted],
+                                                           item.new_token_ids[-item.num_spec_tokens:])
                 r.num_draft_tokens += item.num_spec_tokens
                 r.num_accepted_tokens += accepted
                 r.num_computed_tokens -= rejected
@@ -424,3 +435,16 @@ class Scheduler:
             if item.num_spec_tokens and r.status is RequestStatus.RUNNING:
                 self.kv.trim(r.request_id, r.num_tokens + self.lookahead)  # the rejected drafts' slots
         return changed
+
+
+def in_place(parents: list[int] | None, accepted: list[int], drafts: list[int]) -> int:
+    """How many accepted drafts have their K/V in the right slots: all of a path's; of a tree's, the
+    accepted nodes that are its first drafts in order (node j at depth j + 1)."""
+    if parents is None:
+        return len(accepted)
+    node = -1
+    for depth, token in enumerate(accepted):
+        node = next(i for i in range(len(drafts)) if parents[i] == node and drafts[i] == token)
+        if node != depth:
+            return depth
+    return len(accepted)

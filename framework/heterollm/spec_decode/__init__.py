@@ -13,7 +13,7 @@ verification keeps the longest prefix the target agrees with plus one token of i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from heterollm.spec_decode.config import SpecConfig, resolve_spec
 
@@ -26,6 +26,18 @@ class Proposer(Protocol):
 
     def finish(self, request_id: str) -> None:
         """The request ended (finished or aborted): forget it (or learn from it)."""
+
+
+def check_spec_support(selection: Any, config: Any) -> None:
+    """Raise a LaunchError when the selected attention backend cannot verify what the launch asks
+    for: a draft tree needs `supports_tree_attention()`."""
+    from heterollm.plugins.resolver import LaunchError
+
+    spec = resolve_spec(config)
+    attention = selection.components["attention"]
+    if spec is not None and spec.tree and not attention.obj.supports_tree_attention():
+        raise LaunchError([f"--speculative_suffix_use_tree_spec: attention {attention.name} ({attention.dist}) "
+                           f"cannot verify a draft tree (no tree attention masks); path speculation works"])
 
 
 def make_proposer(spec: SpecConfig) -> Proposer | None:
@@ -42,4 +54,4 @@ def make_proposer(spec: SpecConfig) -> Proposer | None:
     return None
 
 
-__all__ = ["Proposer", "SpecConfig", "make_proposer", "resolve_spec"]
+__all__ = ["Proposer", "SpecConfig", "check_spec_support", "make_proposer", "resolve_spec"]

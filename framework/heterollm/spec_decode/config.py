@@ -52,6 +52,9 @@ class SpecConfig:
     suffix_min_token_prob: float = 0.1
     ngram_max: int = 4
     ngram_min: int = 2
+    tree: bool = False
+    """Suffix only (--speculative_suffix_use_tree_spec): drafts form a tree, verified in one forward
+    under an ancestor mask (an attention backend that supports_tree_attention)."""
     source: str = "--num_speculative_tokens"
     """Where it was asked for, for messages: the xLLM flags or --speculative_config."""
 
@@ -100,10 +103,6 @@ def resolve_spec(config: HeterollmConfig) -> SpecConfig | None:
         for name in (*suffix_flags, "speculative_suffix_use_tree_spec"):
             if name in xllm_set:
                 raise ValueError(f"--{name}: tunes Suffix decoding, but --speculative_algorithm={algo}")
-    if sp.speculative_suffix_use_tree_spec:
-        raise ValueError("--speculative_suffix_use_tree_spec: tree speculation needs tree attention masks in the "
-                         "verification step, which heterollm's attention backends do not take yet; path "
-                         "speculation (the default) works")
     if algo == "draft_model" and not sp.draft_model:
         raise ValueError("--speculative_algorithm=draft_model: needs --draft_model PATH (a small model with the "
                          "target's tokenizer)")
@@ -114,7 +113,8 @@ def resolve_spec(config: HeterollmConfig) -> SpecConfig | None:
         raise ValueError(f"--enable_probabilistic_draft: {algo} proposes deterministically; only a draft model "
                          f"can sample its drafts")
     return SpecConfig(algo, sp.num_speculative_tokens, sp.draft_model, sp.enable_probabilistic_draft,
-                      sp.speculative_suffix_cache_max_depth, sp.speculative_suffix_max_cached_requests)
+                      sp.speculative_suffix_cache_max_depth, sp.speculative_suffix_max_cached_requests,
+                      tree=sp.speculative_suffix_use_tree_spec)
 
 
 def _from_json(given: dict[str, Any]) -> SpecConfig:
@@ -162,7 +162,7 @@ def _from_json(given: dict[str, Any]) -> SpecConfig:
     for key, value, ok, need in checks:
         if not ok:
             raise ValueError(f"{where}: {key} must be {need}, got {value!r}")
-    return SpecConfig(method, k, model, prob, depth, cached, float(factor), float(prob_min), hi, lo, where)
+    return SpecConfig(method, k, model, prob, depth, cached, float(factor), float(prob_min), hi, lo, source=where)
 
 
 def _int(v: Any) -> bool:

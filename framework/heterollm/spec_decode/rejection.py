@@ -50,3 +50,48 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, gene
     if float(residual.sum()) <= 0:  # p == q on the support: any draw from p is right
         residual = p[accepted]
     return drafts[:accepted] + [int(draw((residual / residual.sum()).unsqueeze(0), [generator])[0])]
+
+
+def verify_tree(logits: torch.Tensor, drafts: list[int], parents: list[int], params: SamplingParams,
+                generator: torch.Generator | None) -> tuple[list[int], list[int]]:
+    """Tree speculation: (the tokens taken, the row of `logits` each was drawn from).
+
+    `logits` row 0 follows the sequence's last known token, row i + 1 follows draft i; `parents[i]`
+    is draft i's parent (-1: the last known token). From the root, greedy moves to the child holding
+    the row's argmax while there is one. Sampling tries the node's children in order, each accepted
+    with probability r(child) under the residual r (p at first; a rejected child's token is removed
+    and r renormalized: multi-draft rejection sampling with one-hot proposals, which keeps p); when
+    every child is rejected the token is drawn from r. Children hold distinct tokens."""
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(parents):
+        children.setdefault(parent, []).append(i)
+    tokens: list[int] = []
+    rows: list[int] = []
+    node = -1
+    while True:
+        row = node + 1
+        rows.append(row)
+        kids = children.get(node, [])
+        if params.greedy:
+            best = int(logits[row].argmax())
+            tokens.append(best)
+            node = next((c for c in kids if drafts[c] == best), None)
+            if node is None:
+                return tokens, rows
+            continue
+        residual = sampling_probs(logits[row:row + 1], [params])[0]
+        chosen = None
+        for c in kids:
+            u = float(torch.rand(1, generator=generator, device=residual.device, dtype=residual.dtype))
+            if u < float(residual[drafts[c]]):
+                chosen = c
+                break
+            left = residual.clone()
+            left[drafts[c]] = 0
+            if float(left.sum()) > 0:
+                residual = left / left.sum()
+        if chosen is None:
+            tokens.append(int(draw(residual.unsqueeze(0), [generator])[0]))
+            return tokens, rows
+        tokens.append(drafts[chosen])
+        node = chosen

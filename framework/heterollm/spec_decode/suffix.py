@@ -22,11 +22,29 @@ tokens' path probabilities (the expected number of accepted tokens). Every match
 occurs (at most max_depth - 1, leaving room for one token) is tried, in each tree; the best score
 wins, ties going to the longer match and then to the per-request tree. Trying only the longest
 match would starve the draft: a match of length max_depth - 1 leaves room for a single token.
+
+Tree drafting (`propose_tree`, xLLM's --speculative_suffix_use_tree_spec; arctic-inference's tree
+mode) shares the matching, the candidates, the bookkeeping and the choice among candidates; only
+the draft from a node differs. Below it, with the same probabilities and the same node budget
+(min(k, floor(max_spec_factor * m + max_spec_offset))), nodes are taken best first: the most
+probable node of the frontier (the children of the taken nodes, starting from the node's own),
+ties going to the higher count, then the smaller token id, then the frontier node found first,
+while it is >= `min_token_prob` (it is the frontier's best, so nothing after it is). Each node's
+probability is no more than its parent's, so these are the budget's most probable nodes whose
+ancestors are all taken; the depth is bounded by the trees' (match + draft <= max_depth) as a
+path's is. A candidate's score is again the sum of its nodes' probabilities. The chosen nodes are
+emitted depth first, each node's children most probable first (the order they were taken in), so
+any prefix of the list is a tree and the first path (each node's first child) is the greedy path
+below the node, cut where the budget ran out. Path and tree mode agree when the tree is a single
+chain; otherwise the tree may spend the budget on a sibling branch before finishing the greedy
+path, and its larger score may pick a different candidate (see tests/spec_decode/test_suffix.py).
 """
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from heapq import heappop, heappush
+from typing import Any
 
 _EPS = 1e-9  # floor(max_spec_factor * m + max_spec_offset) must not lose 1 to rounding (0.29 * 100)
 
@@ -116,6 +134,51 @@ def _draft(node: _Node, limit: int, min_token_prob: float) -> tuple[list[int], f
     return tokens, score
 
 
+def _draft_tree(node: _Node, limit: int, min_token_prob: float) -> tuple[list[tuple[int, int]], float]:
+    """The best-first tree below `node`: its nodes as (token, index of the parent in this list or
+    -1) in the order taken, and the sum of their path probabilities."""
+    taken: list[tuple[int, int]] = []
+    score = 0.0
+    # (-probability, -count, token, when pushed, node, parent's index in taken)
+    frontier: list[tuple[float, int, int, int, _Node, int]] = []
+    pushed = 0
+    parent, prob, index = node, 1.0, -1
+    while True:
+        out = parent.out
+        for token, child in parent.children.items():
+            child_prob = prob * (child.count / out)  # as `_draft` computes it: the same floats
+            if child_prob >= min_token_prob:
+                heappush(frontier, (-child_prob, -child.count, token, pushed, child, index))
+                pushed += 1
+        if not frontier or len(taken) >= limit:
+            return taken, score
+        neg_prob, _, token, _, parent, index = heappop(frontier)
+        prob = -neg_prob
+        taken.append((token, index))
+        score += prob
+        index = len(taken) - 1
+
+
+def _depth_first(taken: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """`_draft_tree`'s nodes in depth-first order, each node's children in the order taken (the
+    most probable first): (tokens, parents), parents as indices into the new order, -1 for none."""
+    children: list[list[int]] = [[] for _ in range(len(taken) + 1)]  # by parent index + 1
+    for i, (_, parent) in enumerate(taken):
+        children[parent + 1].append(i)
+    tokens: list[int] = []
+    parents: list[int] = []
+    position = [0] * len(taken)  # taken index -> emitted index (a parent is emitted before its children)
+    stack = children[0][::-1]
+    while stack:
+        i = stack.pop()
+        token, parent = taken[i]
+        position[i] = len(tokens)
+        tokens.append(token)
+        parents.append(position[parent] if parent >= 0 else -1)
+        stack.extend(reversed(children[i + 1]))
+    return tokens, parents
+
+
 class _Request:
     """A running request: its tokens so far, its own tree, where its suffixes end in that tree, and
     where they end in the global tree as of its version `global_version`."""
@@ -163,6 +226,21 @@ class SuffixProposer:
 
         Only the tokens past those seen by the previous call are added to the request's tree; a list
         that does not extend them (shorter, or a different last seen token) restarts the request."""
+        return self._propose(request_id, token_ids, num_prompt_tokens, k, _draft)
+
+    def propose_tree(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int,
+                     k: int) -> tuple[list[int], list[int]]:
+        """Up to k draft tokens forming a tree after token_ids: (tokens, parents), parents[i] = -1 for a child of
+        the sequence's last token, else the index (< i) of the draft node it follows. Nodes are in depth-first
+        order with each node's children visited most probable first, so tokens[:L] along parents [-1, 0, 1, ...]
+        is the most probable path (a prefix of the list is always itself a valid tree).
+
+        Updates the request exactly as `propose` does (the two may be mixed); see the module docstring."""
+        return _depth_first(self._propose(request_id, token_ids, num_prompt_tokens, k, _draft_tree))
+
+    def _propose(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int, k: int,
+                 draft: Callable[[_Node, int, float], tuple[list[Any], float]]) -> list[Any]:
+        """`propose` with the draft from a node given: the best of `draft`'s results over the candidates."""
         state = self._requests.get(request_id)
         seen = len(state.tokens) if state is not None else 0
         if state is None or len(token_ids) < seen or (seen and token_ids[seen - 1] != state.tokens[-1]):
@@ -177,12 +255,12 @@ class SuffixProposer:
                 state.global_ends = _follow(self._global, state.global_ends, token, self.max_depth - 1)
         if k <= 0:
             return []
-        tokens, score = self._best(state.ends, k)
+        tokens, score = self._best(state.ends, k, draft)
         if self._global is not None and self._global.out:
             if not current:  # new request, or the global tree changed since: walk it once
                 state.global_ends = self._matches(self._global, state.tokens)
                 state.global_version = self._version
-            global_tokens, global_score = self._best(state.global_ends, k)
+            global_tokens, global_score = self._best(state.global_ends, k, draft)
             if global_score > score:
                 tokens = global_tokens
         return tokens
@@ -217,15 +295,16 @@ class SuffixProposer:
             nodes.append(node)
         return nodes
 
-    def _best(self, ends: list[_Node], k: int) -> tuple[list[int], float]:
+    def _best(self, ends: list[_Node], k: int,
+              draft: Callable[[_Node, int, float], tuple[list[Any], float]]) -> tuple[list[Any], float]:
         """The best-scoring draft over the match lengths m = 1, 2, ... whose nodes are `ends`."""
-        best: list[int] = []
+        best: list[Any] = []
         best_score = 0.0
         for m, node in enumerate(ends, start=1):
             limit = min(k, int(self.max_spec_factor * m + self.max_spec_offset + _EPS))
             if limit <= 0 or not node.out:
                 continue
-            tokens, score = _draft(node, limit, self.min_token_prob)
+            tokens, score = draft(node, limit, self.min_token_prob)
             if tokens and score >= best_score:
                 best, best_score = tokens, score
         return best, best_score

@@ -86,10 +86,22 @@ _GAUGES = {
                                         lambda e: e.kv.hits / e.kv.queries if e.kv.queries else 0.0),
     "heterollm_prefix_cache_blocks": ("KV cache blocks holding a cached prefix (in use or evictable).",
                                       lambda e: e.kv.pool.num_cached),
+    "heterollm_spec_decode_acceptance_rate": ("Speculative decoding: accepted drafts / verified drafts since start "
+                                              "(0 when off or before the first draft).",
+                                              lambda e: e.spec_stats.acceptance_rate or 0.0),
+    "heterollm_spec_decode_mean_accepted_length": ("Speculative decoding: tokens a verification emits on average "
+                                                   "(accepted drafts + the target's own; 0 when off).",
+                                                   lambda e: e.spec_stats.mean_accepted_length or 0.0),
 }
 _COUNTERS = {
     "heterollm_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", lambda e: e.kv.queries),
     "heterollm_prefix_cache_hits": ("Prompt tokens found in the prefix cache.", lambda e: e.kv.hits),
+    "heterollm_spec_decode_num_drafts": ("Speculative decoding: verifications (a sequence's step with drafts).",
+                                         lambda e: e.spec_stats.num_drafts),
+    "heterollm_spec_decode_num_draft_tokens": ("Speculative decoding: draft tokens verified.",
+                                               lambda e: e.spec_stats.num_draft_tokens),
+    "heterollm_spec_decode_num_accepted_tokens": ("Speculative decoding: draft tokens accepted.",
+                                                  lambda e: e.spec_stats.num_accepted_tokens),
 }
 
 
@@ -108,3 +120,10 @@ class _ReplicaCollector:
                 for rank, engine in enumerate(self.engines):
                     metric.add_metric([self.model_name, str(rank)], read(engine))
                 yield metric
+        per_pos = CounterMetricFamily("heterollm_spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: "
+                                      "verifications whose draft at this position (0-based) was accepted.",
+                                      labels=[*labels, "position"])
+        for rank, engine in enumerate(self.engines):
+            for pos, count in enumerate(engine.spec_stats.accepted_per_position):
+                per_pos.add_metric([self.model_name, str(rank), str(pos)], count)
+        yield per_pos
