@@ -142,7 +142,7 @@ def _draft_tree(node: _Node, limit: int, min_token_prob: float) -> tuple[list[tu
     # (-probability, -count, token, when pushed, node, parent's index in taken)
     frontier: list[tuple[float, int, int, int, _Node, int]] = []
     pushed = 0
-    parent, prob, index = node, 1.0, -1
+    parent, prob, index = node, 1.0, -1  # the node whose children join the frontier next
     while True:
         out = parent.out
         for token, child in parent.children.items():
@@ -150,12 +150,14 @@ def _draft_tree(node: _Node, limit: int, min_token_prob: float) -> tuple[list[tu
             if child_prob >= min_token_prob:
                 heappush(frontier, (-child_prob, -child.count, token, pushed, child, index))
                 pushed += 1
-        if not frontier or len(taken) >= limit:
+        if not frontier:
             return taken, score
         neg_prob, _, token, _, parent, index = heappop(frontier)
         prob = -neg_prob
         taken.append((token, index))
         score += prob
+        if len(taken) >= limit:
+            return taken, score
         index = len(taken) - 1
 
 
@@ -235,7 +237,9 @@ class SuffixProposer:
         order with each node's children visited most probable first, so tokens[:L] along parents [-1, 0, 1, ...]
         is the most probable path (a prefix of the list is always itself a valid tree).
 
-        Updates the request exactly as `propose` does (the two may be mixed); see the module docstring."""
+        That first path is path mode's greedy path below the chosen match, cut where the budget ran
+        out (it is `propose`'s result whenever the tree is a chain). Updates the request exactly as
+        `propose` does (the two may be mixed); see the module docstring."""
         return _depth_first(self._propose(request_id, token_ids, num_prompt_tokens, k, _draft_tree))
 
     def _propose(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int, k: int,
