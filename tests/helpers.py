@@ -216,3 +216,8 @@ def assert_logprobs_match_transformers(folder: Path, prompts: list[list[int]], o
         for pos in range(1, len(prompt)):
             assert abs(plp[pos].logprob - ref[pos - 1][prompt[pos]].item()) < tol
             assert len(plp[pos].top) == prompt_top
+
+
+ADMIT_ALL = {"kv_cache_ratio": 1.0, "static_decode_blocks": 0, "prefill_scheduling_memory_usage_threshold": 1.0}
+"""Launch flags that turn the prefill admission limits off (scheduler/prefill_limits.py): tests that
+fill a tiny cache on purpose to make the scheduler preempt."""

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from helpers import build_tiny_model
+from helpers import ADMIT_ALL, build_tiny_model
 from heterollm import LLM, SamplingParams
 from heterollm.config import ConfigError
 from heterollm.scheduler.request import RequestRejected
@@ -201,7 +201,7 @@ def test_prompt_logprobs_survive_a_preemption_mid_prefill(tiny):
     [want] = roomy.generate([prompt], p)
     roomy.shutdown()
     tight = LLM(str(tiny), dtype="float32", block_size=4, num_gpu_blocks_override=26, max_model_len=128,
-                max_tokens_per_chunk_for_prefill=16, priority_strategy="priority")
+                max_tokens_per_chunk_for_prefill=16, priority_strategy="priority", **ADMIT_ALL)
     engine = tight.engine
     rid = engine.add_request(prompt, p, priority=5)
     engine.step(), engine.step()  # two chunks in: 8 of 26 blocks

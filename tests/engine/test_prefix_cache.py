@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from helpers import build_tiny_model
+from helpers import ADMIT_ALL, build_tiny_model
 from heterollm import LLM, SamplingParams
 
 
@@ -76,7 +76,7 @@ def test_multi_turn_chat_reuses_the_previous_turn(tiny, off):
 
 def test_preemption_while_blocks_are_shared(tiny, off):
     # 24 blocks of 8 for 6 requests of ~55 + 12 tokens: they cannot all run at once
-    on = make(tiny, True, blocks=24)
+    on = make(tiny, True, blocks=24, **ADMIT_ALL)
     prompts = [SYSTEM + q for q in QUESTIONS]
     outs = on.generate(prompts, GREEDY)
     assert on.engine.scheduler.num_preemptions > 0, "the test must exercise preemption"
@@ -133,7 +133,7 @@ def test_prompt_logprobs_requests_compute_every_position(tiny, off):
 def test_chunked_prefill_adopts_blocks_cached_since_admission(tiny, off, frequency):
     # one step's budget of 40 tokens: A takes a 32-token chunk, B the remaining 8; from then on A runs ahead
     on = make(tiny, True, max_tokens_per_chunk_for_prefill=32, max_tokens_per_batch=40,
-              chunked_match_frequency=frequency)
+              chunked_match_frequency=frequency, max_num_partial_prefills=2, max_long_partial_prefills=2)
     prompt = SYSTEM + QUESTIONS[0] + QUESTIONS[1] + QUESTIONS[2]
     outs = on.generate([prompt, prompt], GREEDY)
     assert_same(outs, off.generate([prompt, prompt], GREEDY))

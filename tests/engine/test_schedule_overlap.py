@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from helpers import build_tiny_model
+from helpers import ADMIT_ALL, build_tiny_model
 from heterollm import LLM, SamplingParams
 
 FLAGS = dict(dtype="float32", block_size=4, max_model_len=96, max_tokens_per_batch=48,
@@ -57,7 +57,7 @@ def summary(outs):
 
 @pytest.mark.parametrize("extra", [
     {"num_gpu_blocks_override": 400},
-    {"num_gpu_blocks_override": 40},  # small cache: requests are preempted while their step is in flight
+    {"num_gpu_blocks_override": 40, **ADMIT_ALL},  # small cache: requests are preempted while their step is in flight
     {"num_gpu_blocks_override": 400, "enable_in_batch_prefix_cache": True, "max_seqs_per_batch": 5},
 ], ids=["roomy", "preempting", "in-batch-prefix"])
 def test_overlap_gives_the_same_tokens(tiny, extra):

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 import torch
 
-from helpers import build_tiny_model, hf_logprobs
+from helpers import ADMIT_ALL, build_tiny_model, hf_logprobs
 from json_schemas import SCHEMAS
 from heterollm import LLM, SamplingParams
 from heterollm.scheduler.request import RequestRejected
@@ -171,9 +171,9 @@ def _workload():
 
 @pytest.mark.parametrize("extra", [
     {"max_tokens_per_chunk_for_prefill": 16, "enable_prefix_cache": True},
-    {"num_gpu_blocks_override": 40, "max_tokens_per_chunk_for_prefill": 16},  # preempts
+    {"num_gpu_blocks_override": 40, "max_tokens_per_chunk_for_prefill": 16, **ADMIT_ALL},  # preempts
     {"enable_schedule_overlap": True},
-    {"enable_schedule_overlap": True, "num_gpu_blocks_override": 40},
+    {"enable_schedule_overlap": True, "num_gpu_blocks_override": 40, **ADMIT_ALL},
 ], ids=["chunked-prefix", "preempting", "overlap", "overlap-preempting"])
 def test_the_same_constrained_tokens_under_every_scheduling(tiny, llm, extra):
     prompts, params = _workload()

@@ -16,7 +16,7 @@ from heterollm.config import ConfigError
 from heterollm.plugins.resolver import LaunchError
 from heterollm.sampling import SamplingParams
 
-from helpers import build_tiny_model
+from helpers import ADMIT_ALL, build_tiny_model
 
 BASE = dict(dtype="float32", block_size=8, num_gpu_blocks_override=256, max_model_len=256)
 
@@ -103,7 +103,7 @@ def test_chunked_prefill_prefix_cache_and_batch_one(models, method):
 def test_preemption_leaves_no_leak_and_same_tokens(models, method):
     """A cache too small for the batch: requests are preempted (recompute) mid-speculation."""
     prompts = _prompts(3) * 2
-    small = dict(num_gpu_blocks_override=14)
+    small = dict(num_gpu_blocks_override=14, **ADMIT_ALL)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     want, _, _ = _run(models["llama"], prompts, params)
     got, (free, total), stats = _run(models["llama"], prompts, params, **small, **_flags(method, models))

@@ -53,8 +53,6 @@ def _planned(names: str, reason: str, ok: tuple[Any, ...] = ()) -> None:
 
 
 _planned("backend", "vlm and dit backends; --backend=llm is accepted", ok=("llm",))
-_planned("kv_cache_ratio static_decode_blocks max_num_partial_prefills max_long_partial_prefills "
-         "long_prefill_token_threshold prefill_scheduling_memory_usage_threshold", "scheduler policies issue")
 _planned("ep_size cp_size kv_split_size "
          "worker_memory_master_node_addr enable_attn_dp_weight_sharding enable_eplb "
          "redundant_experts_num eplb_update_interval expert_parallel_degree enable_expert_parallel "

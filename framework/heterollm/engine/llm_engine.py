@@ -40,6 +40,7 @@ from heterollm.spec_decode import check_spec_support, make_proposer, resolve_spe
 from heterollm.spec_decode.stats import SpecStats
 from heterollm.engine.latency_profile import latency_targets, profile_step_time, profile_token_budget, warm_up
 from heterollm.scheduler.policy import SchedulingPolicy
+from heterollm.scheduler.prefill_limits import prefill_limits
 from heterollm.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 logger = logging.getLogger("heterollm.engine")
@@ -189,7 +190,8 @@ class LLMEngine:
             return Scheduler(sched, self.kv, max_len,
                              in_batch_prefix_cache=kvc.enable_prefix_cache and kvc.enable_in_batch_prefix_cache,
                              policy=SchedulingPolicy(sched, config.profile.max_global_ttft_ms), latency=latency,
-                             lookahead=self.spec.lookahead if self.spec is not None else 0)
+                             lookahead=self.spec.lookahead if self.spec is not None else 0,
+                             limits=prefill_limits(config, max_len))
 
         self.scheduler = make_scheduler(config.scheduler)
         self._worker = (ThreadPoolExecutor(1, thread_name_prefix="heterollm-step")

@@ -23,6 +23,7 @@ from heterollm.interfaces import RunnerOutput, ScheduledRequest, SchedulerOutput
 from heterollm.kv_cache import KVCacheManager
 from heterollm.scheduler.latency import LatencyTargets
 from heterollm.scheduler.policy import SchedulingPolicy
+from heterollm.scheduler.prefill_limits import PrefillLimits
 
 logger = logging.getLogger("heterollm.scheduler")
 
@@ -50,8 +51,10 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  in_batch_prefix_cache: bool = False, policy: SchedulingPolicy | None = None,
                  clock: Callable[[], float] = time.monotonic, latency: LatencyTargets | None = None,
-                 lookahead: int = 0) -> None:
+                 lookahead: int = 0, limits: PrefillLimits | None = None) -> None:
         self.config = config
+        self.limits = limits or PrefillLimits()
+        """When new prefills may start (memory threshold, prefill share, partial prefills: prefill_limits.py)."""
         self.lookahead = lookahead
         """Speculative decoding with a draft model: KV slots past a sampling step's tokens that the
         worker writes while it drafts (allocated with the step when the cache has room)."""
@@ -174,10 +177,22 @@ class Scheduler:
         step.seqs -= 1
 
     def _admit_waiting(self, step: _Step) -> None:
-        """Admit waiting requests in queue order while the budgets, the cache and the TPOT target allow."""
-        while self.waiting and step.budget > 0 and step.seqs > 0:
-            request = self.waiting[0]
+        """Admit waiting requests in queue order while the budgets, the cache, the TPOT target and the
+        prefill limits allow (a request that would be one partial prefill too many is passed over)."""
+        lim, bs = self.limits, self.kv.block_size
+        footprint = sum(min(len(self.kv.tables.get(r.request_id, ())), lim.footprint(r.num_prompt_tokens, bs))
+                        for r in self.running) if lim.splits_cache else 0
+        partial, long_partial = self._partial_prefills(step)
+        i = 0
+        while i < len(self.waiting) and step.budget > 0 and step.seqs > 0:
+            request = self.waiting[i]
             if request.num_pending:  # preempted while its last step is in flight: wait for its token
+                break
+            busy = bool(self.running)
+            if busy and lim.memory_usage_threshold < 1 and self.kv.usage >= lim.memory_usage_threshold:
+                break
+            need = lim.footprint(request.num_prompt_tokens, bs)
+            if busy and lim.splits_cache and footprint + need > lim.prefill_block_ratio * self.kv.pool.num_blocks:
                 break
             cached = self._match_prefix(request)
             remaining = request.num_tokens - cached
@@ -185,17 +200,36 @@ class Scheduler:
             if num_new > step.budget:  # only without chunking: the whole prompt must fit this step
                 break
             num_new = self._fit(step, request, num_new, cached)
+            long = lim.is_long(request.num_prompt_tokens)
+            if num_new < remaining and not lim.partial_allowed(partial, long_partial, long):
+                i += 1  # it would stay part way: shorter requests behind it may go first
+                continue
             if num_new == 0 or self.kv.allocate(request.request_id, cached + num_new + self._room(
                     request, num_new, cached)) is None:
                 break
             request.num_computed_tokens = cached
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = cached
-            self.waiting.popleft()
+            del self.waiting[i]
+            footprint += need
+            if num_new < remaining:
+                partial += 1
+                long_partial += long
             request.starved = request.starved or self.policy.starving(request, step.now)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._take(step, request, num_new, cached)
+
+    def _partial_prefills(self, step: _Step) -> tuple[int, int]:
+        """(requests part way through their prompt after this step's running work, of them long ones)."""
+        partial = long_partial = 0
+        for r in self.running:
+            if r.is_decoding:
+                continue
+            if r.num_computed_tokens + step.scheduled.get(r.request_id, 0) < r.num_total_tokens:
+                partial += 1
+                long_partial += self.limits.is_long(r.num_prompt_tokens)
+        return partial, long_partial
 
     def _schedule_running(self, step: _Step) -> None:
         """Running requests: decodes first, then those still prefilling in chunks (without mixed
