@@ -2,7 +2,7 @@
 against without it, same run, same machine, greedy (so every configuration generates the same
 tokens and the rows compare time only).
 
-    python bench/speculative.py                       # suffix and n-gram vs off, batch 1 and 8
+    python bench/speculative.py                       # suffix (path and tree) and n-gram vs off, batch 1 and 8
     python bench/speculative.py --methods suffix --batches 1 --prompts 2 --max-tokens 32   # smoke test
 
 Workloads (chat-templated, answered until EOS or --max-tokens):
@@ -58,6 +58,7 @@ METHODS = {
     "off": {},
     "suffix": dict(speculative_algorithm="Suffix", num_speculative_tokens=8),
     "ngram": dict(speculative_algorithm="ngram", num_speculative_tokens=4),
+    "suffix-tree": dict(speculative_algorithm="Suffix", num_speculative_tokens=8, speculative_suffix_use_tree_spec=True),
 }
 
 
@@ -85,7 +86,7 @@ def run(llm, prompts, batch: int, max_tokens: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--methods", default="suffix,ngram")
+    ap.add_argument("--methods", default="suffix,suffix-tree,ngram")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--prompts", type=int, default=8, help="prompts per workload (at most 8)")
     ap.add_argument("--max-tokens", type=int, default=128)

@@ -58,6 +58,7 @@ METHODS = {
     "suffix": dict(speculative_algorithm="Suffix", num_speculative_tokens=4),
     "draft": dict(speculative_algorithm="draft_model", num_speculative_tokens=3),
     "self-draft": dict(speculative_algorithm="draft_model", num_speculative_tokens=3),
+    "suffix-tree": dict(speculative_algorithm="Suffix", num_speculative_tokens=6, speculative_suffix_use_tree_spec=True),
 }
 
 
@@ -71,7 +72,7 @@ def _flags(method, models, target="llama"):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("method", ["ngram", "suffix", "self-draft"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "suffix-tree", "self-draft"])
 def test_greedy_output_is_identical(models, family, method):
     prompts = _prompts()
     want, _, _ = _run(models[family], prompts, GREEDY)
