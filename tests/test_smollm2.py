@@ -5,6 +5,8 @@ import pytest
 
 from heterollm import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # the default run skips it; CI runs `-m slow` as a second step
+
 QUESTION = [{"role": "user", "content": "What is the capital of Japan?"}]
 
 

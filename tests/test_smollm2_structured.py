@@ -12,6 +12,8 @@ import pytest
 from heterollm import LLM, SamplingParams
 from json_schemas import SCHEMAS
 
+pytestmark = pytest.mark.slow  # the default run skips it; CI runs `-m slow` as a second step
+
 
 @pytest.fixture(scope="module")
 def smollm2():

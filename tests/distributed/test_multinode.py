@@ -13,6 +13,8 @@ from conftest import run_cli
 from helpers import build_tiny_model
 from heterollm.distributed.executor import free_port
 
+pytestmark = pytest.mark.slow  # the default run skips it; CI runs `-m slow` as a second step
+
 GEN = ["--dtype", "float32", "--num_gpu_blocks_override", "64", "--max_model_len", "128", "--max_tokens", "10",
        "--temperature", "0", "--ignore_eos", "--nostream"]
 
