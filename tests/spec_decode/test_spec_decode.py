@@ -237,12 +237,15 @@ CHI2_CRITICAL_001 = {d: d * (1 - 2 / (9 * d) + 3.0902 * (2 / (9 * d)) ** 0.5) **
 """Upper 0.1% points of chi-square (Wilson-Hilferty; z = 3.0902): a real difference, not chance."""
 
 
-def _pair_counts(folder, **flags):
-    """(first, second) generated token of 400 seeded samples at temperature 1 over six allowed tokens."""
-    params = [SamplingParams(n=50, seed=1000 * i, temperature=1.0, max_tokens=4, ignore_eos=True,
+def _pair_counts(folder, max_tokens: int = 4, proposer=None, **flags):
+    """(first, second) generated token of 400 seeded samples at temperature 1 over six allowed tokens
+    (`proposer`: replaces the engine's own, e.g. a fixed draft tree)."""
+    params = [SamplingParams(n=50, seed=1000 * i, temperature=1.0, max_tokens=max_tokens, ignore_eos=True,
                              allowed_token_ids=ALLOWED) for i in range(8)]
     llm = LLM(str(folder), **{**BASE, "num_gpu_blocks_override": 4096, **flags})
     try:
+        if proposer is not None:
+            llm.engine.proposer = proposer
         outs = llm.generate([{"prompt_token_ids": ALLOWED * 4}] * 8, params)
         stats = llm.engine.spec_stats
     finally:
@@ -366,20 +369,7 @@ class FixedTree:
 
 def _tree_pairs(folder):
     # max_tokens 8: the second step has room for the whole tree (a step never drafts past max_tokens)
-    params = [SamplingParams(n=50, seed=1000 * i, temperature=1.0, max_tokens=8, ignore_eos=True,
-                             allowed_token_ids=ALLOWED) for i in range(8)]
-    llm = LLM(str(folder), **{**BASE, "num_gpu_blocks_override": 4096, **TREE})
-    try:
-        llm.engine.proposer = FixedTree()
-        outs = llm.generate([{"prompt_token_ids": ALLOWED * 4}] * 8, params)
-        stats = llm.engine.spec_stats
-    finally:
-        llm.shutdown()
-    counts: dict[tuple[int, int], int] = {}
-    for o in outs:
-        for c in o.outputs:
-            counts[tuple(c.token_ids[:2])] = counts.get(tuple(c.token_ids[:2]), 0) + 1
-    return counts, stats
+    return _pair_counts(folder, max_tokens=8, proposer=FixedTree(), **TREE)
 
 
 def _second(pairs: dict) -> dict:

@@ -200,11 +200,13 @@ class Scheduler:
             if num_new > step.budget:  # only without chunking: the whole prompt must fit this step
                 break
             num_new = self._fit(step, request, num_new, cached)
+            if num_new == 0:
+                break
             long = lim.is_long(request.num_prompt_tokens)
             if num_new < remaining and not lim.partial_allowed(partial, long_partial, long):
                 i += 1  # it would stay part way: shorter requests behind it may go first
                 continue
-            if num_new == 0 or self.kv.allocate(request.request_id, cached + num_new + self._room(
+            if self.kv.allocate(request.request_id, cached + num_new + self._room(
                     request, num_new, cached)) is None:
                 break
             request.num_computed_tokens = cached
