@@ -1,6 +1,7 @@
 """Speculative decoding on the real default model (SmolLM2-135M-Instruct), float32: greedy output
-identical to decoding without it, for a copy-heavy and an open-ended chat prompt in one batch, with
-chunked prefill; the copy-heavy one accepts drafts."""
+identical to decoding without it with every proposer (Suffix path and tree, n-gram, the model as
+its own draft), for a copy-heavy and an open-ended chat prompt in one batch, with chunked prefill;
+the copy-heavy one accepts drafts."""
 from __future__ import annotations
 
 import pytest
@@ -30,8 +31,18 @@ def _chat(**spec):
 def test_smollm2_greedy_identity_with_suffix_and_ngram():
     want, _, _ = _chat()
     for spec in (dict(speculative_algorithm="Suffix", num_speculative_tokens=8),
+                 dict(speculative_algorithm="Suffix", num_speculative_tokens=8, speculative_suffix_use_tree_spec=True),
                  dict(speculative_algorithm="ngram", num_speculative_tokens=4)):
         got, stats, outs = _chat(**spec)
         assert got == want, spec
         assert outs[0].metrics.spec_num_accepted_tokens > 10, spec  # the passage is copied from the prompt
         assert stats.num_accepted_tokens <= stats.num_draft_tokens
+
+
+def test_smollm2_as_its_own_draft_model():
+    """The draft-model proposer on the real model, drafting for itself: every greedy draft is the
+    target's own argmax, so all are accepted, and the output is the same."""
+    want, _, _ = _chat()
+    got, stats, _ = _chat(speculative_algorithm="draft_model", num_speculative_tokens=3, draft_model="smollm2")
+    assert got == want
+    assert stats.num_draft_tokens > 50 and stats.num_accepted_tokens == stats.num_draft_tokens
