@@ -218,6 +218,7 @@ def assert_logprobs_match_transformers(folder: Path, prompts: list[list[int]], o
             assert len(plp[pos].top) == prompt_top
 
 
-ADMIT_ALL = {"kv_cache_ratio": 1.0, "static_decode_blocks": 0, "prefill_scheduling_memory_usage_threshold": 1.0}
+ADMIT_ALL = {"kv_cache_ratio": 1.0, "static_decode_blocks": 0, "prefill_scheduling_memory_usage_threshold": 1.0,
+             "max_num_partial_prefills": 1 << 20, "max_long_partial_prefills": 1 << 20}
 """Launch flags that turn the prefill admission limits off (scheduler/prefill_limits.py): tests that
 fill a tiny cache on purpose to make the scheduler preempt."""

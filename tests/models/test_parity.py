@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import FAMILIES, assert_logprobs_match_transformers, build_tiny_model, hf_greedy, hf_logprobs
+from helpers import ADMIT_ALL, FAMILIES, assert_logprobs_match_transformers, build_tiny_model, hf_greedy, hf_logprobs
 from heterollm import LLM, SamplingParams
 
 PROMPTS = [[1, 20, 30, 40, 50], list(range(100, 137)), [7, 7, 7], list(range(500, 700, 3)), [42]]
@@ -27,7 +27,7 @@ MODES = {
     "block_size_1": {"block_size": 1, "num_gpu_blocks_override": 1024},
     "block_size_3": {"block_size": 3},
     "one_seq_per_step": {"max_seqs_per_batch": 1},
-    "preemption": {"block_size": 4, "num_gpu_blocks_override": 40},
+    "preemption": {"block_size": 4, "num_gpu_blocks_override": 40, **ADMIT_ALL},  # admission limits off
 }
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import build_tiny_model, hf_pooled
+from helpers import ADMIT_ALL, build_tiny_model, hf_pooled
 from heterollm import LLM
 from heterollm.pooling import PoolingParams
 
@@ -121,7 +121,7 @@ def test_preemption_and_schedule_overlap_keep_the_vectors(tiny):
     and recomputed (the pooler starts over at position 0); with --enable_schedule_overlap the step
     after a pooled prompt is scheduled before its output is known."""
     prompts = [list(range(3 + i, 35 + i)) for i in range(4)]
-    for flags in ({"num_gpu_blocks_override": 6, "max_model_len": 40, "enable_prefix_cache": False},
+    for flags in ({"num_gpu_blocks_override": 6, "max_model_len": 40, "enable_prefix_cache": False, **ADMIT_ALL},
                   {"enable_schedule_overlap": True}):
         llm = make_llm(tiny, enable_chunked_prefill=True, max_tokens_per_chunk_for_prefill=8, max_tokens_per_batch=32,
                        **flags)
