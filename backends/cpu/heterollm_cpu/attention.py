@@ -50,6 +50,10 @@ def _write_kv(kv_cache: torch.Tensor, fresh_blocks: torch.Tensor, slots: torch.T
 torch.library.custom_op("heterollm_cpu::write_kv", _write_kv, mutates_args=("kv_cache",))
 
 
+ROW_WISE_MAX_TOKENS = 16
+"""Sequences adding at most this many tokens to a cached context attend as rows of the batched decode."""
+
+
 def _ancestors(parents: list[int]) -> torch.Tensor:
     """(n, n) boolean: row t is True at t and at every ancestor of t (parents[t] < t, -1: none)."""
     n = len(parents)
@@ -146,6 +150,10 @@ class CpuPagedAttention(AttentionBackend):
 
         trees = inputs.tree_parents or [None] * len(inputs.query_lens)
         is_decode = (q_lens == 1) & (ctx_lens > 0) & torch.tensor([t is None for t in trees], dtype=torch.bool)
+        # a few new tokens over a cached context (speculative decoding's drafts, a short last chunk):
+        # each token is one more row of the batched decode, over the keys up to itself (or its
+        # ancestors, for a draft tree), instead of an SDPA call of its own
+        row_wise = (ctx_lens > 0) & (q_lens <= ROW_WISE_MAX_TOKENS) & (q_lens > 0)
         meta = CpuAttentionMetadata(
             num_tokens=int(q_lens.sum()), slot_mapping=slots.to(device),
             query_start_loc=torch.cat([starts, q_lens.sum().view(1)]).to(device),
@@ -155,16 +163,29 @@ class CpuPagedAttention(AttentionBackend):
         blocks = slots // bs
         filled = torch.bincount(blocks, minlength=0)[blocks]  # new tokens landing in the same block
         meta.fresh_blocks = blocks[(pos % bs == 0) & (filled < bs)].to(device)
-        if bool(is_decode.any()):
-            rows = is_decode.nonzero().squeeze(1)
-            lens = seq_lens[rows]
-            nb = (int(lens.max()) + bs - 1) // bs
-            valid = torch.arange(nb * bs).unsqueeze(0) < lens.unsqueeze(1)
+        if bool(row_wise.any()):
+            seqs = row_wise.nonzero().squeeze(1)
+            seq = torch.repeat_interleave(seqs, q_lens[seqs])  # the sequence of each row
+            j = torch.arange(len(seq)) - (torch.cumsum(q_lens[seqs], 0) - q_lens[seqs]).repeat_interleave(q_lens[seqs])
+            ends = ctx_lens[seq] + j + 1  # keys up to and including the row's own
+            nb = (int(seq_lens[seqs].max()) + bs - 1) // bs
+            keys = torch.arange(nb * bs).unsqueeze(0)
+            valid = keys < ends.unsqueeze(1)
+            lens = ends.clone()
+            first = 0
+            for i in seqs.tolist():  # a draft tree: among the new keys, the row's ancestors only
+                q, ctx = int(q_lens[i]), int(ctx_lens[i])
+                if trees[i] is not None:
+                    ancestors = _ancestors(trees[i])
+                    valid[first:first + q, ctx:ctx + q] = ancestors
+                    lens[first:first + q] = ctx + ancestors.sum(1)  # window end: its position + 1
+                first += q
             bias = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))[None, :, None, :]
-            meta.decode_rows = starts[rows].to(device)
-            meta.decode_blocks = tables[rows, :nb].reshape(-1).to(device)
+            meta.decode_rows = (starts[seq] + j).to(device)
+            meta.decode_blocks = tables[seq, :nb].reshape(-1).to(device)
             meta.decode_bias = bias.to(device)
             meta.decode_lens = lens.to(device)
+        is_decode = row_wise
         for i in (~is_decode & (q_lens > 0)).nonzero().squeeze(1).tolist():
             s, ctx, total = int(starts[i]), int(ctx_lens[i]), int(seq_lens[i])
             blocks = mask = None
