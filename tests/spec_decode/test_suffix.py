@@ -88,19 +88,8 @@ def reference(context, outputs, k, max_depth, factor, offset, min_prob):
         best_draft, best_score = [], 0.0
         for m in range(1, min(len(context), max_depth - 1) + 1):
             limit = min(k, int(factor * m + offset + 1e-9))
-            path, draft, prob, score = list(context[-m:]), [], 1.0, 0.0
-            while len(draft) < limit and len(path) < max_depth:
-                counts = Counter(seq[s + len(path)] for seq in seqs for s in range(len(seq) - len(path))
-                                 if seq[s:s + len(path)] == path)
-                if not counts:
-                    break
-                token = min(counts, key=lambda t: (-counts[t], t))
-                prob *= counts[token] / sum(counts.values())
-                if prob < min_prob:
-                    break
-                draft.append(token)
-                path.append(token)
-                score += prob
+            draft, score = brute_path(context, seqs, m, limit, max_depth, min_prob)
+            draft = list(draft)
             if draft and score >= best_score:
                 best_draft, best_score = draft, score
         return best_draft, best_score
@@ -438,21 +427,22 @@ def test_tree_first_path_can_differ_from_path_mode():
     assert p.propose_tree("r", [X, X], 2, 2) == ([X], [-1])
 
 
-def brute_candidate(context, seqs, m, limit, max_depth, min_prob):
-    """Path and tree drafts below the match context[-m:] in `seqs`, by scanning the sequences for
-    each continuation's count: (path tokens, path score, tree nodes as token tuples in the order
-    taken, tree score)."""
+def brute_continuations(context, seqs, m, path, max_depth):
+    """Counts of each token that follows context[-m:] + path somewhere in `seqs` (none past max_depth:
+    the trees hold nothing deeper)."""
+    full = list(context[-m:]) + list(path)
+    if len(full) >= max_depth:
+        return Counter()
+    return Counter(seq[s + len(full)] for seq in seqs for s in range(len(seq) - len(full))
+                   if seq[s:s + len(full)] == full)
 
-    def continuations(path):
-        full = list(context[-m:]) + list(path)
-        if len(full) >= max_depth:  # the trees hold nothing deeper
-            return Counter()
-        return Counter(seq[s + len(full)] for seq in seqs for s in range(len(seq) - len(full))
-                       if seq[s:s + len(full)] == full)
 
+def brute_path(context, seqs, m, limit, max_depth, min_prob):
+    """The path draft below the match context[-m:]: (tokens, score), the most frequent continuation
+    while the path's probability stays at min_prob or above."""
     path, prob, path_score = (), 1.0, 0.0
     while len(path) < limit:
-        counts = continuations(path)
+        counts = brute_continuations(context, seqs, m, path, max_depth)
         if not counts:
             break
         token = min(counts, key=lambda t: (-counts[t], t))
@@ -460,6 +450,18 @@ def brute_candidate(context, seqs, m, limit, max_depth, min_prob):
         if prob < min_prob:
             break
         path, path_score = path + (token,), path_score + prob
+    return path, path_score
+
+
+def brute_candidate(context, seqs, m, limit, max_depth, min_prob):
+    """Path and tree drafts below the match context[-m:] in `seqs`, by scanning the sequences for
+    each continuation's count: (path tokens, path score, tree nodes as token tuples in the order
+    taken, tree score)."""
+
+    def continuations(path):
+        return brute_continuations(context, seqs, m, path, max_depth)
+
+    path, path_score = brute_path(context, seqs, m, limit, max_depth, min_prob)
 
     # best first: a list kept sorted by hand rather than a heap, ties by count, token, age
     frontier, taken, tree_score, age = [], [], 0.0, 0

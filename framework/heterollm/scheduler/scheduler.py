@@ -41,8 +41,6 @@ class _Step:
     scheduled: dict[str, int] = field(default_factory=dict)
     drafts: dict[str, list[int]] = field(default_factory=dict)
     """Speculative decoding: the drafts scheduled with a request's decode (the tail of its tokens)."""
-    parents: dict[str, list[int]] = field(default_factory=dict)
-    """Tree speculation: the scheduled drafts' parents (see Request.spec_parents)."""
     shape: list[tuple[int, int]] = field(default_factory=list)
     """(tokens, cached context) of each request taken, for the step-time model."""
 
@@ -170,8 +168,6 @@ class Scheduler:
         step.scheduled[request.request_id] = num_new
         if drafts:
             step.drafts[request.request_id] = drafts
-            if request.spec_parents is not None:  # a depth-first prefix of a tree is a tree
-                step.parents[request.request_id] = request.spec_parents[:len(drafts)]
         step.shape.append((num_new, ctx))
         step.budget -= num_new
         step.seqs -= 1
@@ -408,7 +404,8 @@ class Scheduler:
             if drafts:
                 item.new_token_ids = tokens + drafts
                 item.num_spec_tokens = len(drafts)
-                item.spec_parents = step.parents.get(request_id)
+                if r.spec_parents is not None:  # a depth-first prefix of a tree is a tree
+                    item.spec_parents = r.spec_parents[:len(drafts)]
             r.spec_token_ids = []
             r.spec_parents = None
             r.num_computed_tokens = start + num_new
