@@ -3,6 +3,7 @@ built on a tiny random llama (its tokenizer and chat template are SmolLM2's)."""
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +27,13 @@ class Running:
     @property
     def engine(self) -> LLMEngine:
         return self.server.engine
+
+
+def spawned_children(pid: int) -> list[int]:
+    """The multiprocessing-spawned children of process `pid` (engine cores, tensor-parallel ranks)."""
+    lines = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True,
+                           text=True).stdout.splitlines()
+    return [int(line.split()[0]) for line in lines if "spawn_main" in line]
 
 
 def free_port() -> int:

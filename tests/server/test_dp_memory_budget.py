@@ -14,7 +14,7 @@ import pytest
 
 from conftest import MODEL, serving
 from heterollm.config import load_config
-from heterollm.entrypoints.serve import _replicas
+from heterollm.engine.llm_engine import LLMEngine
 
 MiB = 2**20
 TOTAL = 1024 * MiB
@@ -32,7 +32,18 @@ def host_of_1gib(monkeypatch, tmp_path):
 
 
 def replicas(folder, **flags):
-    return _replicas(load_config([], overrides={"model": str(folder), **SMALL, "dp_size": 2, **flags}).config, 2)
+    """Both replicas in this process (`heterollm serve` runs each in its own engine-core process; the
+    host registry's arithmetic is the same, keyed by process)."""
+    cfg = load_config([], overrides={"model": str(folder), **SMALL, "dp_size": 2, **flags}).config
+    engines = []
+    try:
+        for rank in range(2):
+            engines.append(LLMEngine(cfg, dp_rank=rank))
+    except BaseException:
+        for e in engines:
+            e.shutdown()
+        raise
+    return engines
 
 
 def metric(text: str, name: str) -> dict[str, float]:

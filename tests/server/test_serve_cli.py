@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from conftest import free_port
+from conftest import free_port, spawned_children
 from helpers import build_tiny_model
 
 
@@ -81,7 +81,7 @@ def test_port_in_use_is_a_one_line_error(cli, long_model):
     assert r.rc == 2 and f"--port: cannot listen on 127.0.0.1:{port}" in r.err and "Traceback" not in r.err
 
 
-@pytest.mark.parametrize("flag", ["--num_threads=4", "--rpc_channel_timeout_ms=5", "--enable_disagg_pd=true"])
+@pytest.mark.parametrize("flag", ["--num_threads=4", "--num_response_handling_threads=8", "--enable_disagg_pd=true"])
 def test_flags_without_an_equivalent_fail_fast(cli, long_model, flag):
     r = cli("serve", "--model", str(long_model), flag)
     assert r.rc == 2 and flag in r.err and "Traceback" not in r.err
@@ -145,9 +145,9 @@ def test_a_dead_worker_fails_the_stream_and_serve_exits_1(long_model):
     proc, url = _serve(long_model, "--tp_size=2", "--health_check_interval_ms=200")
     try:
         _wait_health(proc, url)
-        workers = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(proc.pid)], capture_output=True,
-                                 text=True).stdout.splitlines()
-        pids = [int(line.split()[0]) for line in workers if "spawn_main" in line]
+        cores = spawned_children(proc.pid)  # the engine-core process, whose children are the ranks
+        assert len(cores) == 1
+        pids = spawned_children(cores[0])
         assert len(pids) == 2
         body = {"model": "tiny", "prompt": "go on", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
                 "stream": True}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from heterollm.config.cache import kv_events_port_problems, parse_kv_events_config
 from heterollm.config.base import INT32_MAX
-from heterollm.config.schema import HeterollmConfig
+from heterollm.config.schema import HeterollmConfig, current_schema
 from heterollm.spec_decode.config import spec_problems
 
 
@@ -46,9 +46,15 @@ def check_flag_combinations(config: HeterollmConfig) -> list[str]:
 
 
 def check_single_replica(config: HeterollmConfig, where: str) -> None:
-    """--dp_size replicas live behind `heterollm serve`; other entry points run one engine."""
+    """--dp_size replicas live behind `heterollm serve`; other entry points run one engine, in their
+    own process (so the flags of the engine-core process's link mean nothing there either)."""
     from heterollm.config.errors import ConfigError
 
     if config.parallel.dp_size > 1:
         raise ConfigError(f"--dp_size={config.parallel.dp_size}: engine replicas are served behind `heterollm serve`; "
                           f"{where} runs one engine")
+    values, specs = config.flat(), current_schema().specs
+    for name in ("engine_worker_queue_port", "rpc_channel_timeout_ms"):
+        if values[name] != specs[name].default:
+            raise ConfigError(f"--{name}={values[name]}: it sets up the link to `heterollm serve`'s engine-core "
+                              f"process; {where} runs the engine in its own process")

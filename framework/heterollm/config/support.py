@@ -31,8 +31,8 @@ def _rules(names: str, reason: str, ok: tuple[Any, ...] = ()) -> dict[str, Rule]
 DIT = "DiT (diffusion) models only; heterollm serves text LLMs"
 MULTIMODAL = "multimodal models are not supported yet"
 NO_EQUIVALENT = "FastDeploy-internal; heterollm has no such component"
-IN_PROCESS = ("xLLM's bRPC workers and handler thread pools have no equivalent: heterollm serves from one process "
-              "(asyncio HTTP server + one engine thread)")
+IN_PROCESS = ("xLLM's bRPC handler thread pools have no equivalent: heterollm's API server handles requests on one "
+              "asyncio loop and each engine-core process's outputs on one receiver thread")
 
 RULES: dict[str, Rule] = {
     **_rules("sp_size cfg_size vae_size max_requests_per_batch " + " ".join(
@@ -40,11 +40,10 @@ RULES: dict[str, Rule] = {
     **_rules("limit_image_per_prompt max_encoder_cache_size enable_return_mm_full_embeddings mm_download_headers "
              "use_audio_in_video audio_max_upload_file_mb audio_max_decode_duration_s enable_mm_encoder_dp "
              "enable_return_embedding_modality_tags mm_processor_kwargs limit_mm_per_prompt enable_mm", MULTIMODAL),
-    **_rules("engine_worker_queue_port cache_queue_port", NO_EQUIVALENT),
+    **_rules("cache_queue_port", NO_EQUIVALENT),
     "task": Rule("mm_embed embeds multimodal inputs; multimodal models are not supported yet (generate and embed "
                  "work)", ok_values=("embed",)),
-    **_rules("rpc_channel_timeout_ms num_threads num_request_handling_threads "
-             "num_response_handling_threads", IN_PROCESS),
+    **_rules("num_threads num_request_handling_threads num_response_handling_threads", IN_PROCESS),
 }
 
 def _planned(names: str, reason: str, ok: tuple[Any, ...] = ()) -> None:

@@ -65,7 +65,9 @@ class AsyncEngine:
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
-        self._thread.start()
+        """Start the engine thread (once; later calls do nothing)."""
+        if self._thread.ident is None:
+            self._thread.start()
 
     @property
     def alive(self) -> bool:
@@ -157,6 +159,15 @@ class AsyncEngine:
         if "error" in box:
             raise box["error"]
         return box["value"]
+
+    async def utility(self, method: str, *args: Any) -> Any:
+        """Run one of the engine's admin methods (update_weights, start_profile, stop_profile) between
+        two steps; its RequestRejected comes back as raised."""
+        return await asyncio.to_thread(self.call, lambda engine: getattr(engine, method)(*args))
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's gauges and counters (LLMEngine.stats), read now."""
+        return self.engine.stats()
 
     # -- the engine thread -----------------------------------------------------------------
     def _die(self, why: str) -> None:

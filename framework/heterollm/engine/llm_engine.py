@@ -424,6 +424,19 @@ class LLMEngine:
         if check is not None:
             check()
 
+    def stats(self) -> dict[str, Any]:
+        """The engine's gauges and counters, by name (what /metrics exports per replica; an engine-core
+        process sends them to the API server)."""
+        kv, spec = self.kv, self.spec_stats
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "kv_usage": kv.usage, "kv_free_blocks": kv.num_free_blocks, "kv_total_blocks": kv.pool.num_blocks,
+                "kv_reserved_bytes": self.kv_plan.kv_bytes, "kv_committed_bytes": self.kv_committed_bytes(),
+                "prefix_queries": kv.queries, "prefix_hits": kv.hits, "prefix_cached_blocks": kv.pool.num_cached,
+                "spec_acceptance_rate": spec.acceptance_rate or 0.0,
+                "spec_mean_accepted_length": spec.mean_accepted_length or 0.0, "spec_num_drafts": spec.num_drafts,
+                "spec_num_draft_tokens": spec.num_draft_tokens, "spec_num_accepted_tokens": spec.num_accepted_tokens,
+                "spec_accepted_per_position": list(spec.accepted_per_position)}
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 

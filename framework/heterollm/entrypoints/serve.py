@@ -1,4 +1,8 @@
-"""`heterollm serve`: load the model, then run the OpenAI-compatible server under uvicorn.
+"""`heterollm serve`: start the engine-core process of each --dp_size replica (it loads the model and
+steps it), then run the OpenAI-compatible server under uvicorn in this process (HTTP, chat templates,
+tokenization, streaming), talking to the cores over pyzmq (engine/core_client.py).
+
+A core that dies fails every request in flight, turns /health to 503 and ends the server with status 1.
 
 SIGTERM or Ctrl-C: stop accepting connections, let in-flight requests finish for up to
 --timeout_graceful_shutdown seconds, stop the engine, exit 0.
@@ -66,29 +70,12 @@ def _graceful_server_class():
     return GracefulServer
 
 
-def _replicas(cfg, dp: int) -> list:
-    """The --dp_size engines (each validates the launch and loads with every core); if one fails,
-    the ones already built are shut down (their worker processes with them)."""
-    from heterollm.engine.llm_engine import LLMEngine
-
-    engines = []
-    try:
-        for rank in range(dp):
-            engines.append(LLMEngine(cfg, dp_rank=rank))
-            if dp > 1 and engines[0].selection.platform.device_type != "cpu":
-                raise ConfigError(f"--dp_size={dp}: replicas share one process and one device; that is built for the "
-                                  f"CPU only (selected platform: {engines[0].selection.platform.name})")
-    except BaseException:
-        for engine in engines:
-            engine.shutdown()
-        raise
-    return engines
-
-
 def run_serve(loaded: LoadedConfig) -> int:
+    import torch
     import uvicorn
     from prometheus_client import start_http_server
 
+    from heterollm.engine.core_client import start_engine_cores
     from heterollm.entrypoints.openai.server import OpenAIServer
     from heterollm.plugins import resolve
 
@@ -104,14 +91,18 @@ def run_serve(loaded: LoadedConfig) -> int:
         _check_port(host, metrics_port, "metrics_port")
     settings = server_settings(loaded)
     dp = cfg.parallel.dp_size
-    platform = resolve(cfg).platform  # the launch checks, once more in each engine (cheap)
-    if cfg.execution.enable_graph:  # a compiled step is specialized on the thread count: compile with the serving one
-        platform.configure_threads(dp, keep_for_server=1)
-        engines = _replicas(cfg, dp)
-    else:  # load with every core, then leave one to the HTTP server
-        engines = _replicas(cfg, dp)
-        platform.configure_threads(dp, keep_for_server=1)
-    server = OpenAIServer(engines, settings)
+    platform = resolve(cfg).platform  # the launch checks, before any process starts (each core runs them again)
+    if dp > 1 and platform.device_type != "cpu":
+        raise ConfigError(f"--dp_size={dp}: engine replicas on one host share its device; that is built for the "
+                          f"CPU only (selected platform: {platform.name})")
+    engines = start_engine_cores(cfg)  # one process per replica; this one keeps HTTP and tokenization
+    torch.set_num_threads(1)  # the cores' torch threads get the host's cores (configure_threads)
+    try:
+        server = OpenAIServer(engines, settings)
+    except BaseException:
+        for engine in engines:
+            engine.shutdown(timeout=10)
+        raise
     if metrics_port is not None:
         start_http_server(metrics_port, addr=host, registry=server.metrics.registry)
         logger.info("metrics on http://%s:%d/metrics", host, metrics_port)
@@ -128,7 +119,11 @@ def run_serve(loaded: LoadedConfig) -> int:
         http.should_exit = True
 
     server.on_engine_dead = engine_died
-    http.run()
+    try:
+        http.run()
+    finally:  # normally the app's shutdown stopped them already
+        for engine in engines:
+            engine.shutdown()
     dead = [r.dead for r in server.replicas if r.dead]
     if dead:
         logger.error("exiting with status 1: %s", dead[0])

@@ -1,10 +1,11 @@
 """Prometheus metrics of one server (its own registry, so tests can run several)."""
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from heterollm.engine.llm_engine import LLMEngine
 from heterollm.engine.outputs import RequestOutput
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -15,7 +16,9 @@ class ServerMetrics:
     """Request counters and histograms over the whole server; engine gauges and prefix cache
     counters per engine replica (label dp_rank, one replica per --dp_size)."""
 
-    def __init__(self, engines: list[LLMEngine], model_name: str) -> None:
+    def __init__(self, replicas: list[Any], model_name: str) -> None:
+        """`replicas`: objects with `stats()` (AsyncEngine, EngineCoreClient); the list may be filled
+        after this returns (it is read at each scrape)."""
         r = self.registry = CollectorRegistry()
         labels = ["model_name"]
         self.model_name = model_name
@@ -42,7 +45,7 @@ class ServerMetrics:
         for metric in (self.aborts, self.ttft_slo_missed, self.prompt_tokens, self.generation_tokens, self.preemptions, self.ttft, self.tpot,
                        self.e2e):
             metric.labels(model_name)  # exported as 0 from the start, so rates work before the first request
-        r.register(_ReplicaCollector(engines, model_name))
+        r.register(_ReplicaCollector(replicas, model_name))
         self.in_flight = Gauge("heterollm_http_requests_in_flight", "Generation requests the server is handling.",
                                registry=r)
 
@@ -70,60 +73,61 @@ class ServerMetrics:
         self.errors.labels(self.model_name, str(status)).inc()
 
 
-_GAUGES = {
-    "heterollm_num_requests_running": ("Sequences being computed (n > 1 counts each).",
-                                       lambda e: len(e.scheduler.running)),
-    "heterollm_num_requests_waiting": ("Sequences waiting for admission to a batch.", lambda e: len(e.scheduler.waiting)),
-    "heterollm_kv_cache_usage_perc": ("Fraction of KV cache blocks in use (0..1).", lambda e: e.kv.usage),
-    "heterollm_kv_cache_free_blocks": ("KV cache blocks free.", lambda e: e.kv.num_free_blocks),
-    "heterollm_kv_cache_total_blocks": ("KV cache blocks in all.", lambda e: e.kv.pool.num_blocks),
+_GAUGES = {  # name: (help, LLMEngine.stats key or a function of the stats)
+    "heterollm_num_requests_running": ("Sequences being computed (n > 1 counts each).", "running"),
+    "heterollm_num_requests_waiting": ("Sequences waiting for admission to a batch.", "waiting"),
+    "heterollm_kv_cache_usage_perc": ("Fraction of KV cache blocks in use (0..1).", "kv_usage"),
+    "heterollm_kv_cache_free_blocks": ("KV cache blocks free.", "kv_free_blocks"),
+    "heterollm_kv_cache_total_blocks": ("KV cache blocks in all.", "kv_total_blocks"),
     "heterollm_kv_cache_reserved_bytes": ("KV cache bytes the replica reserved, over its tensor-parallel ranks (see "
-                                          "the start-up log for the host budget).", lambda e: e.kv_plan.kv_bytes),
+                                          "the start-up log for the host budget).", "kv_reserved_bytes"),
     "heterollm_kv_cache_committed_bytes": ("KV cache bytes actually backed by memory: on CPU, blocks ever handed out "
                                            "x bytes per block (pages are committed on first write); elsewhere "
-                                           "the whole reservation.", lambda e: e.kv_committed_bytes()),
+                                           "the whole reservation.", "kv_committed_bytes"),
     "heterollm_prefix_cache_hit_rate": ("Prefix cache hits / queries since start (0..1).",
-                                        lambda e: e.kv.hits / e.kv.queries if e.kv.queries else 0.0),
+                                        lambda s: s["prefix_hits"] / s["prefix_queries"] if s["prefix_queries"]
+                                        else 0.0),
     "heterollm_prefix_cache_blocks": ("KV cache blocks holding a cached prefix (in use or evictable).",
-                                      lambda e: e.kv.pool.num_cached),
+                                      "prefix_cached_blocks"),
     "heterollm_spec_decode_acceptance_rate": ("Speculative decoding: accepted drafts / verified drafts since start "
-                                              "(0 when off or before the first draft).",
-                                              lambda e: e.spec_stats.acceptance_rate or 0.0),
+                                              "(0 when off or before the first draft).", "spec_acceptance_rate"),
     "heterollm_spec_decode_mean_accepted_length": ("Speculative decoding: tokens a verification emits on average "
                                                    "(accepted drafts + the target's own; 0 when off).",
-                                                   lambda e: e.spec_stats.mean_accepted_length or 0.0),
+                                                   "spec_mean_accepted_length"),
 }
 _COUNTERS = {
-    "heterollm_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", lambda e: e.kv.queries),
-    "heterollm_prefix_cache_hits": ("Prompt tokens found in the prefix cache.", lambda e: e.kv.hits),
+    "heterollm_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", "prefix_queries"),
+    "heterollm_prefix_cache_hits": ("Prompt tokens found in the prefix cache.", "prefix_hits"),
     "heterollm_spec_decode_num_drafts": ("Speculative decoding: verifications (a sequence's step with drafts).",
-                                         lambda e: e.spec_stats.num_drafts),
+                                         "spec_num_drafts"),
     "heterollm_spec_decode_num_draft_tokens": ("Speculative decoding: draft tokens verified.",
-                                               lambda e: e.spec_stats.num_draft_tokens),
+                                               "spec_num_draft_tokens"),
     "heterollm_spec_decode_num_accepted_tokens": ("Speculative decoding: draft tokens accepted.",
-                                                  lambda e: e.spec_stats.num_accepted_tokens),
+                                                  "spec_num_accepted_tokens"),
 }
 
 
 class _ReplicaCollector:
     """Each engine replica's gauges and prefix cache counters (tokens, as vLLM counts), read at scrape
-    time, labelled with the replica's dp_rank."""
+    time from `replica.stats()` (the engine's own, or the last an engine-core process sent), labelled
+    with the replica's dp_rank."""
 
-    def __init__(self, engines: list[LLMEngine], model_name: str) -> None:
-        self.engines, self.model_name = engines, model_name
+    def __init__(self, replicas: list[Any], model_name: str) -> None:
+        self.replicas, self.model_name = replicas, model_name
 
     def collect(self):
         labels = ["model_name", "dp_rank"]
+        stats = [replica.stats() for replica in self.replicas]
         for table, family in ((_GAUGES, GaugeMetricFamily), (_COUNTERS, CounterMetricFamily)):
             for name, (doc, read) in table.items():
                 metric = family(name, doc, labels=labels)
-                for rank, engine in enumerate(self.engines):
-                    metric.add_metric([self.model_name, str(rank)], read(engine))
+                for rank, s in enumerate(stats):
+                    metric.add_metric([self.model_name, str(rank)], read(s) if callable(read) else s[read])
                 yield metric
         per_pos = CounterMetricFamily("heterollm_spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: "
                                       "verifications whose draft at this position (0-based) was accepted.",
                                       labels=[*labels, "position"])
-        for rank, engine in enumerate(self.engines):
-            for pos, count in enumerate(engine.spec_stats.accepted_per_position):
+        for rank, s in enumerate(stats):
+            for pos, count in enumerate(s["spec_accepted_per_position"]):
                 per_pos.add_metric([self.model_name, str(rank), str(pos)], count)
         yield per_pos

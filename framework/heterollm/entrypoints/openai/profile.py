@@ -3,7 +3,6 @@ interface): every replica's ranks record what they run between the two calls and
 rank into `--profile_dir` (the working directory by default), to open in Perfetto."""
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from fastapi import FastAPI
@@ -22,20 +21,20 @@ class ProfileRoutes:
         app.add_api_route("/stop_profile", self.stop_profile, methods=["POST"])
 
     async def start_profile(self) -> Response:
-        return await self._on_every_replica(lambda engine: engine.start_profile(), lambda _: {"status": "started"})
+        return await self._on_every_replica("start_profile", lambda _: {"status": "started"})
 
     async def stop_profile(self) -> Response:
-        return await self._on_every_replica(lambda engine: engine.stop_profile(),
+        return await self._on_every_replica("stop_profile",
                                             lambda results: {"status": "stopped",
                                                              "traces": [f for r in results for f in r]})
 
-    async def _on_every_replica(self, call: Any, answer: Any) -> Response:
+    async def _on_every_replica(self, method: str, answer: Any) -> Response:
         server = self.server
         if not server.engine.config.profile.enable_online_profile:
             return server._error(400, "online profiling needs the server started with --enable_online_profile",
                                  "enable_online_profile")
         try:
-            results = [await asyncio.to_thread(replica.call, call) for replica in server.replicas]
+            results = [await replica.utility(method) for replica in server.replicas]
         except RequestRejected as exc:
             return server._error(400, str(exc), exc.field)
         except EngineError as exc:

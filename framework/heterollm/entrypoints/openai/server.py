@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from heterollm.engine.admission import truncate_prompt
 from heterollm.engine.async_engine import AsyncEngine, EngineError, RequestStream
+from heterollm.engine.core_client import EngineCoreClient
 from heterollm.engine.llm_engine import LLMEngine
 from heterollm.engine.outputs import RequestOutput
 from heterollm.scheduler.request import RequestRejected
@@ -114,17 +115,31 @@ class _ApiKeyMiddleware:
 
 class OpenAIServer:
     """The HTTP front of one engine, or of `--dp_size` engine replicas: each request goes to the
-    replica with the fewest outstanding tokens (prompt + tokens still to generate)."""
+    replica with the fewest outstanding tokens (prompt + tokens still to generate).
 
-    def __init__(self, engine: LLMEngine | list[LLMEngine], settings: ServerSettings) -> None:
+    The replicas are either LLMEngines, each stepped by an AsyncEngine thread in this process (the
+    offline path and most tests), or EngineCoreClients, each an engine-core process
+    (`heterollm serve`)."""
+
+    def __init__(self, engine: LLMEngine | list[LLMEngine] | list[EngineCoreClient], settings: ServerSettings) -> None:
         engines = list(engine) if isinstance(engine, (list, tuple)) else [engine]
-        self.engine = engines[0]
-        """Replica 0: the tokenizer, chat template and limits every replica shares."""
         self.settings = settings
         self.model_name = settings.served_model_names[0]
-        self.metrics = ServerMetrics(engines, self.model_name)
-        self.replicas = [AsyncEngine(e, on_finished=self.metrics.record_finished, on_aborted=self.metrics.record_abort,
-                                     on_dead=self._engine_died) for e in engines]
+        self.replicas: list[AsyncEngine | EngineCoreClient] = []
+        self.metrics = ServerMetrics(self.replicas, self.model_name)
+        if isinstance(engines[0], EngineCoreClient):
+            self.engine = engines[0].frontend
+            """Replica 0 (or the API process's view of it): the tokenizer, chat template and limits
+            every replica shares."""
+            for client in engines:
+                client.on_finished, client.on_aborted = self.metrics.record_finished, self.metrics.record_abort
+                client.on_dead = self._engine_died
+            self.replicas.extend(engines)
+        else:
+            self.engine = engines[0]
+            self.replicas.extend(AsyncEngine(e, on_finished=self.metrics.record_finished,
+                                             on_aborted=self.metrics.record_abort, on_dead=self._engine_died)
+                                 for e in engines)
         self.async_engine = self.replicas[0]
         self.on_engine_dead: Any = None
         """Set by `heterollm serve`: stops the HTTP server when the engine's workers are gone."""
@@ -140,8 +155,7 @@ class OpenAIServer:
         @asynccontextmanager
         async def lifespan(_: FastAPI):
             for replica in self.replicas:
-                if not replica.alive:
-                    replica.start()
+                replica.start()
             yield
             for replica in self.replicas:
                 replica.shutdown()
@@ -319,7 +333,7 @@ class OpenAIServer:
             raise
         return streams
 
-    def _replica(self, prompt_cache_key: str | None) -> AsyncEngine:
+    def _replica(self, prompt_cache_key: str | None) -> AsyncEngine | EngineCoreClient:
         """The replica for a request: the one with the least outstanding work, or, for a request with a
         prompt_cache_key, the one that key always maps to (so it finds the prefixes its key cached)."""
         alive = [r for r in self.replicas if r.alive] or self.replicas[:1]

@@ -272,4 +272,4 @@ def chat_parsers(engine: Any) -> ChatParsers:
     model_type = getattr(engine.source.hf_config, "model_type", "") or ""
     return ChatParsers(tool=registry.tool_parser(tool_name, model_type, template) if tool_name else None,
                        reasoning=registry.reasoning_parser(reasoning_name, template) if reasoning_name else None,
-                       guided=engine.structured is not None)
+                       guided=cfg.fastdeploy.guided_decoding_backend != "off")

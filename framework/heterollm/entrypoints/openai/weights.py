@@ -5,7 +5,6 @@ only the parameters that changed). Every replica reloads between two of its step
 flight go on with the new weights, and the prefix cache is emptied."""
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -33,7 +32,7 @@ class WeightRoutes:
             update = self._update(request.headers.get("content-type", ""), await request.body())
             results = []
             for replica in server.replicas:  # one at a time: a failure leaves the others as they were
-                results.append(await asyncio.to_thread(replica.call, lambda engine: engine.update_weights(update)))
+                results.append(await replica.utility("update_weights", update))
         except (WeightUpdateError, RequestRejected) as exc:
             return server._error(400, str(exc), exc.field)
         except EngineError as exc:

@@ -1,0 +1,251 @@
+"""The engine core in its own process (`heterollm serve`, ARCHITECTURE.md "Data flow"): the same
+answers as the in-process engine, refusals that cross the process boundary with their field, admin
+calls, a core killed mid-stream (every request fails, /health 503, serve exits 1), a core that
+stops when the API server is gone, --rpc_channel_timeout_ms and --engine_worker_queue_port."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+from conftest import MODEL, free_port, make_engine, serving, spawned_children
+from heterollm.config import ConfigError, load_config
+from heterollm.engine import core_ipc as ipc
+from heterollm.engine.core_client import EngineCoreClient, start_engine_cores
+from heterollm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from heterollm.interfaces import TokenLogprobs
+from heterollm.sampling import SamplingParams
+
+FLAGS = {"dtype": "float32", "block_size": 8, "num_gpu_blocks_override": 512, "max_model_len": 256}
+
+
+def core_config(folder, **flags):
+    return load_config([], overrides={"model": str(folder), **FLAGS, **flags}).config
+
+
+@pytest.fixture(scope="module")
+def core(tiny_llama):
+    clients = start_engine_cores(core_config(tiny_llama, guided_decoding_backend="xgrammar",
+                                             enable_online_profile=True))
+    try:
+        with serving(clients) as running:
+            yield running
+    finally:
+        for c in clients:
+            c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local(tiny_llama):
+    engine = make_engine(tiny_llama, guided_decoding_backend="xgrammar")
+    with serving(engine) as running:
+        yield running
+
+
+def _post(url: str, body: dict, path: str = "/v1/completions") -> httpx.Response:
+    return httpx.post(url + path, json={"model": MODEL, **body}, timeout=120)
+
+
+BODIES = [
+    {"prompt": "the engine core", "max_tokens": 12, "temperature": 0, "logprobs": 3, "echo": True,
+     "prompt_logprobs": 2},
+    {"prompt": [5, 6, 7, 8, 9], "max_tokens": 10, "temperature": 0.8, "seed": 7, "n": 3},
+    {"prompt": "stop early", "max_tokens": 30, "temperature": 0, "stop": [" the", "e"], "ignore_eos": True},
+    {"prompt": "json please", "max_tokens": 24, "temperature": 0, "structured_outputs": {"choice": ["yes", "no"]}},
+]
+
+
+@pytest.mark.parametrize("body", BODIES, ids=["logprobs", "seeded-n3", "stop-strings", "grammar"])
+def test_the_core_process_answers_as_the_in_process_engine(core, local, body):
+    def strip(answer):
+        answer.pop("id"), answer.pop("created")
+        return answer
+
+    remote, here = _post(core.url, body), _post(local.url, body)
+    assert remote.status_code == here.status_code == 200, remote.text
+    assert strip(remote.json()) == strip(here.json())
+
+
+def test_streaming_from_the_core_process(core, local):
+    body = {"prompt": "stream it", "max_tokens": 9, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+    def chunks(url):
+        with httpx.stream("POST", url + "/v1/completions", json={"model": MODEL, **body}, timeout=60) as r:
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        return [(c["choices"][0]["text"] if c["choices"] else None, c.get("usage")) for c in map(json.loads, events[:-1])]
+
+    assert chunks(core.url) == chunks(local.url)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "max_tokens": 4, "priority": 3}, "priority"),
+    ({"prompt": "x", "max_tokens": 4, "structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+    ({"prompt": "x", "max_tokens": 4, "response_format": {"type": "json_schema",
+                                                          "json_schema": {"name": "a", "schema": {"type": "nope"}}}},
+     "response_format"),
+])
+def test_a_refusal_in_the_core_names_its_field_and_the_core_serves_on(core, body, param):
+    r = _post(core.url, body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    ok = _post(core.url, {"prompt": "still here", "max_tokens": 3})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_admin_calls_reach_the_core(core, tmp_path):
+    first = httpx.post(core.url + "/start_profile", timeout=60)
+    assert first.status_code == 200
+    again = httpx.post(core.url + "/start_profile", timeout=60)  # the core's RequestRejected, field and all
+    assert again.status_code == 400 and again.json()["error"]["param"] == "profile"
+    assert _post(core.url, {"prompt": "profiled", "max_tokens": 2}).status_code == 200
+    stopped = httpx.post(core.url + "/stop_profile", timeout=120)
+    assert stopped.status_code == 200
+    traces = stopped.json()["traces"]
+    assert traces and all(os.path.exists(t) for t in traces)
+    for t in traces:
+        os.unlink(t)
+
+
+def test_metrics_come_from_the_core(core):
+    _post(core.url, {"prompt": "count me", "max_tokens": 4})
+    deadline = time.monotonic() + 10
+    while True:  # the gauges at rest arrive once the core is idle
+        text = httpx.get(core.url + "/metrics").text
+        line = next(x for x in text.splitlines() if x.startswith("heterollm_kv_cache_total_blocks{"))
+        running = next(x for x in text.splitlines() if x.startswith("heterollm_num_requests_running{"))
+        if running.endswith(" 0.0") or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert line.endswith(" 512.0") and running.endswith(" 0.0")
+    queries = next(x for x in text.splitlines() if x.startswith("heterollm_prefix_cache_queries_total{"))
+    assert float(queries.split()[-1]) > 0
+
+
+def test_outputs_cross_the_wire_intact():
+    lp = TokenLogprobs(5, -0.25, 1, [(5, -0.25), (9, -1.5)])
+    out = RequestOutput("r", None, [1, 2], [CompletionOutput(0, "ab", [5], [lp], "stop", "\n", -0.25, "b", [5])],
+                        True, RequestMetrics(1.0, 2.0, 3.0, 2, 1, 0, 1, True, 4, 2), [None, lp],
+                        torch.tensor([0.5, -1.0]))
+    data = ipc.encoder().encode(ipc.Outputs([ipc.output_to_wire(out)]))
+    back = ipc.output_from_wire(ipc.from_core_decoder().decode(data).outputs[0])
+    assert torch.equal(back.pooled, out.pooled)
+    back.pooled = out.pooled = None
+    assert back == out
+    params = SamplingParams(n=2, stop=["x"], logit_bias={7: -1.0}, structured_outputs={"json": {"type": "object"}},
+                            seed=3, max_tokens=9)
+    assert ipc.params_from_wire(ipc.to_core_decoder().decode(ipc.encoder().encode(
+        ipc.Add("r", "p", None, ipc.params_to_wire(params)))).params) == params
+
+
+def test_a_killed_core_fails_every_request_and_health_turns_503(tiny_llama):
+    client = EngineCoreClient(core_config(tiny_llama, max_model_len=256), 0)
+    client.wait_ready()
+    try:
+        with serving([client]) as running:
+            body = {"model": MODEL, "prompt": "go on", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+                    "stream": True}
+            with httpx.Client(timeout=60) as http, http.stream("POST", running.url + "/v1/completions",
+                                                               json=body) as r:
+                lines = r.iter_lines()
+                assert next(line for line in lines if line.startswith("data:"))
+                os.kill(client.process.pid, signal.SIGKILL)
+                rest = [line[6:] for line in lines if line.startswith("data: ")]
+            error = json.loads(rest[-2])["error"]
+            assert rest[-1] == "[DONE]" and error["code"] == 500 and "exited" in error["message"]
+            health = httpx.get(running.url + "/health")
+            assert health.status_code == 503 and "not running" in health.json()["error"]["message"]
+            late = _post(running.url, {"prompt": "anyone?", "max_tokens": 2})
+            assert late.status_code == 500 and "not running" in late.json()["error"]["message"]
+    finally:
+        client.shutdown()
+
+
+def test_an_unanswering_core_times_out_with_rpc_channel_timeout_ms(tiny_llama):
+    client = EngineCoreClient(core_config(tiny_llama, rpc_channel_timeout_ms=300), 0)
+    client.wait_ready()
+    try:
+        with serving([client]) as running:
+            os.kill(client.process.pid, signal.SIGSTOP)
+            try:
+                r = _post(running.url, {"prompt": "hello?", "max_tokens": 2})
+            finally:
+                os.kill(client.process.pid, signal.SIGCONT)
+            assert r.status_code == 500 and "--rpc_channel_timeout_ms=300" in r.json()["error"]["message"]
+            assert _post(running.url, {"prompt": "hello again", "max_tokens": 2}).status_code == 200
+    finally:
+        client.shutdown()
+
+
+def test_engine_worker_queue_port_puts_the_core_on_tcp(tiny_llama):
+    port = free_port()
+    cfg = core_config(tiny_llama, engine_worker_queue_port=port)
+    client = EngineCoreClient(cfg, 0)
+    try:
+        assert client.addresses.to_core == f"tcp://127.0.0.1:{port}"
+        with pytest.raises(ConfigError, match="--engine_worker_queue_port"):
+            EngineCoreClient(cfg, 0)  # the same ports again: taken
+        client.wait_ready()
+        with serving([client]) as running:
+            assert _post(running.url, {"prompt": "over tcp", "max_tokens": 3}).status_code == 200
+    finally:
+        client.shutdown()
+
+
+def test_a_launch_error_in_the_core_is_a_config_error(tmp_path):
+    cfg = core_config(tmp_path / "missing")
+    with pytest.raises((ConfigError, RuntimeError)) as info:
+        start_engine_cores(cfg)
+    assert "missing" in str(info.value)
+
+
+def test_the_core_exits_when_serve_is_killed(tiny_llama):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "heterollm.entrypoints.cli", "serve", "--model", str(tiny_llama),
+                             "--host=127.0.0.1", f"--port={port}", "--dtype=float32", "--max_model_len=256"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        cores = spawned_children(proc.pid)
+        assert len(cores) == 1
+        proc.kill()
+        proc.wait(30)
+        deadline = time.monotonic() + 15
+        while os.path.exists(f"/proc/{cores[0]}") and _state(cores[0]) != "Z" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not os.path.exists(f"/proc/{cores[0]}") or _state(cores[0]) == "Z"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+@pytest.mark.parametrize("flag", ["--engine_worker_queue_port=9100", "--rpc_channel_timeout_ms=50"])
+def test_the_link_flags_are_refused_where_no_core_process_runs(cli, tiny_llama, flag):
+    r = cli("generate", "--model", str(tiny_llama), flag, "--prompt", "x")
+    assert r.rc == 2 and flag in r.err and "engine-core process" in r.err and "Traceback" not in r.err
