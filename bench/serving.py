@@ -28,6 +28,9 @@ from dataclasses import dataclass
 
 import httpx
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
 
 @dataclass
 class Result:
@@ -106,17 +109,32 @@ def summarize(name: str, results: list[Result], wall: float) -> dict[str, float]
     }
 
 
+def _tree(pid: int) -> list[int]:
+    """`pid` and its descendants (`heterollm serve`'s engine-core processes, their tensor-parallel ranks)."""
+    pids, i = [pid], 0
+    while i < len(pids):
+        try:
+            with open(f"/proc/{pids[i]}/task/{pids[i]}/children", encoding="ascii") as fh:
+                pids += [int(c) for c in fh.read().split()]
+        except OSError:
+            pass
+        i += 1
+    return pids
+
+
 def memory_of(pid: int) -> dict[str, float]:
-    """Resident and peak resident memory (MiB) of a local process, from /proc."""
-    out = {}
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as fh:
-            for line in fh:
-                key, _, rest = line.partition(":")
-                if key in ("VmRSS", "VmHWM"):
-                    out[key] = int(rest.split()[0]) / 1024
-    except OSError:
-        pass
+    """Resident and peak resident memory (MiB) of a local server, from /proc: summed over the process and
+    its descendants (the API server and its engine cores; the peak is the sum of each one's peak)."""
+    out: dict[str, float] = {}
+    for p in _tree(pid):
+        try:
+            with open(f"/proc/{p}/status", encoding="ascii") as fh:
+                for line in fh:
+                    key, _, rest = line.partition(":")
+                    if key in ("VmRSS", "VmHWM"):
+                        out[key] = out.get(key, 0) + int(rest.split()[0]) / 1024
+        except OSError:
+            pass
     return out
 
 
@@ -211,7 +229,9 @@ def main() -> None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
 
-    print(f"\n{args.num_prompts} requests, concurrency {args.concurrency}, {args.input_len} in / "
+    print(f"\n{common.machine_line(common.machine_info())}")
+    print(f"{common.command_line()}")
+    print(f"{args.num_prompts} requests, concurrency {args.concurrency}, {args.input_len} in / "
           f"{args.output_len} out tokens, greedy, EOS ignored")
     keys = ["request_throughput", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"]
     print(f"{'':<12}" + "".join(f"{k:>20}" for k in keys))
@@ -225,11 +245,11 @@ def main() -> None:
         print("(throughput ratios > 1 and latency ratios < 1 favour the first row)")
     if memory.get("after"):
         b, a = memory.get("before", {}), memory["after"]
-        print(f"heterollm server memory: RSS {b.get('VmRSS', 0):.0f} MiB before the load, {a.get('VmRSS', 0):.0f} "
+        print(f"heterollm server memory (API server + engine cores): RSS {b.get('VmRSS', 0):.0f} MiB before the load, {a.get('VmRSS', 0):.0f} "
               f"MiB after; peak RSS {a.get('VmHWM', 0):.0f} MiB (weights and KV cache size: see the server log)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": report, "memory_mib": memory}, f, indent=2)
+            json.dump({"args": vars(args), "machine": common.machine_info(), "results": report, "memory_mib": memory}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import sys
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
+from multiprocessing import util as mp_util
 from typing import Any, Callable
 
 import zmq
@@ -97,6 +98,7 @@ def core_main(config: HeterollmConfig, dp_rank: int, addresses: CoreAddresses, p
     outbox.close()
     ctx.term()
     logging.shutdown()
+    mp_util._exit_function()  # multiprocessing's own finalizers (a tqdm lock's semaphore), as a normal exit runs them
     os._exit(code)  # engine threads (grammar compiles, the step thread) must not hold the exit
 
 
