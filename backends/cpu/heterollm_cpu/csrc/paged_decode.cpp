@@ -1,0 +1,160 @@
+// Paged decode attention for the CPU backend: one query row per sequence (or per speculative draft
+// row of a causal verification), reading each key and value of its blocks once, straight from the
+// paged cache. Built from source by scripts/setup.sh (heterollm_cpu/kernels.py); the torch path in
+// attention.py is the fallback and the reference.
+//
+// query (R, H, D); kv_cache (2, KVH, NB, BS, D); block_tables (R, W) int64, the row's blocks in
+// order; seq_lens (R,) int64, the keys each row attends to (positions 0 .. len-1); -> (R, H, D).
+// Scores, softmax and the weighted sum run in fp32 whatever the storage dtype (fp32 or bf16).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+// One stored row (a key or a value) as fp32, in a loop the compiler vectorizes (bf16: the high
+// half of an fp32, so a widening shift).
+inline void load_row(const float* src, float* dst, int64_t dim) {
+  std::memcpy(dst, src, dim * sizeof(float));
+}
+inline void load_row(const c10::BFloat16* src, float* dst, int64_t dim) {
+  const uint16_t* raw = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* bits = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t d = 0; d < dim; ++d) bits[d] = static_cast<uint32_t>(raw[d]) << 16;
+}
+
+template <typename Q, typename KV>
+void decode_rows(const Q* query, const KV* cache, const int64_t* tables, const int64_t* lens, Q* out,
+                 int64_t rows, int64_t heads, int64_t kv_heads, int64_t num_blocks, int64_t block_size,
+                 int64_t dim, int64_t width, int64_t max_len, float scale) {
+  const int64_t group = heads / kv_heads;
+  const int64_t head_stride = num_blocks * block_size * dim;  // one KV head of K (or of V)
+  const KV* keys = cache;
+  const KV* values = cache + kv_heads * head_stride;
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(group * dim), scores(group * max_len), acc(group * dim), total(group), row(dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / kv_heads, h = item % kv_heads;
+      const int64_t len = lens[r];
+      const int64_t* table = tables + r * width;
+      for (int64_t g = 0; g < group; ++g) {
+        const Q* src = query + (r * heads + h * group + g) * dim;
+        for (int64_t d = 0; d < dim; ++d) q[g * dim + d] = to_float(src[d]) * scale;
+      }
+      // scores: each key once, for every query head of the group
+      for (int64_t start = 0; start < len; start += block_size) {
+        const int64_t n = std::min(block_size, len - start);
+        const KV* block = keys + h * head_stride + table[start / block_size] * block_size * dim;
+        for (int64_t j = 0; j < n; ++j) {
+          load_row(block + j * dim, row.data(), dim);
+          const float* k = row.data();
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = q.data() + g * dim;
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < dim; ++d) s += qg[d] * k[d];
+            scores[g * max_len + start + j] = s;
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * max_len;
+        float peak = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : peak)
+        for (int64_t t = 0; t < len; ++t) peak = std::max(peak, sg[t]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; ++t) {
+          sg[t] = std::exp(sg[t] - peak);  // vectorized (libmvec) under -ffast-math
+          sum += sg[t];
+        }
+        total[g] = sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      // the weighted sum: each value once
+      for (int64_t start = 0; start < len; start += block_size) {
+        const int64_t n = std::min(block_size, len - start);
+        const KV* block = values + h * head_stride + table[start / block_size] * block_size * dim;
+        for (int64_t j = 0; j < n; ++j) {
+          load_row(block + j * dim, row.data(), dim);
+          const float* v = row.data();
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * max_len + start + j];
+            float* ag = acc.data() + g * dim;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; ++d) ag[d] += p * v[d];
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        Q* dst = out + (r * heads + h * group + g) * dim;
+        const float inv = 1.f / total[g];
+        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<Q>(acc[g * dim + d] * inv);
+      }
+    }
+  });
+}
+
+template <typename Q>
+void dispatch_kv(const torch::Tensor& query, const torch::Tensor& cache, const torch::Tensor& tables,
+                 const torch::Tensor& lens, torch::Tensor& out, int64_t max_len, float scale) {
+  const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(2);
+  const int64_t kv_heads = cache.size(1), num_blocks = cache.size(2), block_size = cache.size(3);
+  const int64_t width = tables.size(1);
+  if (cache.scalar_type() == torch::kBFloat16) {
+    decode_rows<Q, c10::BFloat16>(query.data_ptr<Q>(), cache.data_ptr<c10::BFloat16>(), tables.data_ptr<int64_t>(),
+                                  lens.data_ptr<int64_t>(), out.data_ptr<Q>(), rows, heads, kv_heads, num_blocks,
+                                  block_size, dim, width, max_len, scale);
+  } else {
+    decode_rows<Q, float>(query.data_ptr<Q>(), cache.data_ptr<float>(), tables.data_ptr<int64_t>(),
+                          lens.data_ptr<int64_t>(), out.data_ptr<Q>(), rows, heads, kv_heads, num_blocks, block_size,
+                          dim, width, max_len, scale);
+  }
+}
+
+torch::Tensor paged_decode(const torch::Tensor& query_in, const torch::Tensor& kv_cache,
+                           const torch::Tensor& block_tables_in, const torch::Tensor& seq_lens_in, double scale) {
+  TORCH_CHECK(query_in.dim() == 3, "paged_decode: query must be (rows, heads, dim)");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "paged_decode: kv_cache must be (2, KVH, NB, BS, D)");
+  TORCH_CHECK(kv_cache.is_contiguous(), "paged_decode: kv_cache must be contiguous");
+  TORCH_CHECK(query_in.size(2) == kv_cache.size(4), "paged_decode: head dims differ");
+  TORCH_CHECK(query_in.size(1) % kv_cache.size(1) == 0, "paged_decode: heads must be a multiple of KV heads");
+  const auto qt = query_in.scalar_type(), kt = kv_cache.scalar_type();
+  TORCH_CHECK(qt == torch::kFloat || qt == torch::kBFloat16, "paged_decode: query must be float32 or bfloat16");
+  TORCH_CHECK(kt == torch::kFloat || kt == torch::kBFloat16, "paged_decode: kv_cache must be float32 or bfloat16");
+  const auto query = query_in.contiguous();
+  const auto tables = block_tables_in.to(torch::kLong).contiguous();
+  const auto lens = seq_lens_in.to(torch::kLong).contiguous();
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == query.size(0), "paged_decode: one block table per row");
+  TORCH_CHECK(lens.dim() == 1 && lens.size(0) == query.size(0), "paged_decode: one length per row");
+  auto out = torch::empty_like(query);
+  if (query.size(0) == 0) return out;
+  const int64_t max_len = lens.max().item<int64_t>();
+  TORCH_CHECK(lens.min().item<int64_t>() >= 1, "paged_decode: every row attends to at least one key");
+  TORCH_CHECK(max_len <= tables.size(1) * kv_cache.size(3), "paged_decode: a row is longer than its block table");
+  if (qt == torch::kBFloat16) {
+    dispatch_kv<c10::BFloat16>(query, kv_cache, tables, lens, out, max_len, static_cast<float>(scale));
+  } else {
+    dispatch_kv<float>(query, kv_cache, tables, lens, out, max_len, static_cast<float>(scale));
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(heterollm_cpu, m) {
+  m.def("paged_decode(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(heterollm_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }

@@ -1,0 +1,117 @@
+"""The CPU backend's C++ kernels, built from source on the machine that runs them.
+
+    python -m heterollm_cpu.kernels        # build (scripts/setup.sh runs this), then say where
+
+`csrc/paged_decode.cpp` becomes `torch.ops.heterollm_cpu.paged_decode` through
+torch.utils.cpp_extension (g++, `-O3 -march=native -ffast-math`: the build targets this CPU's vector units, exp from glibc's
+libmvec).
+The library goes to `_build/<hash>/` next to this file (or under the user's cache when the package
+folder is read-only), where the hash covers the source, torch's version and the flags: an edited
+source or another torch is never served a stale library. Nothing is ever downloaded, and nothing
+is built at serving time: without a built library `available()` is False and attention.py runs
+its torch path (the same numbers, slower), after one log line saying how to build it.
+HETEROLLM_CPU_KERNELS=0 turns the kernels off (benchmarks' A/B, a suspected kernel bug).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("heterollm.cpu")
+
+NAME = "heterollm_cpu_kernels"
+SOURCES = [Path(__file__).parent / "csrc" / "paged_decode.cpp"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+LDFLAGS = ["-fopenmp", "-lmvec"]
+_loaded: bool | None = None
+
+
+def _key() -> str:
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.read_bytes())
+    h.update(torch.__version__.encode())
+    h.update(" ".join(CFLAGS + LDFLAGS).encode())
+    return h.hexdigest()[:16]
+
+
+def build_dirs() -> list[Path]:
+    """Where the library may be, in the order looked at: the package's own folder, the user's cache."""
+    key = _key()
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "heterollm" / "cpu-kernels"
+    return [Path(__file__).parent / "_build" / key, cache / key]
+
+
+def library_path() -> Path | None:
+    for folder in build_dirs():
+        path = folder / f"{NAME}.so"
+        if path.exists():
+            return path
+    return None
+
+
+def enabled() -> bool:
+    return os.environ.get("HETEROLLM_CPU_KERNELS", "1") != "0"
+
+
+def available() -> bool:
+    """Whether `torch.ops.heterollm_cpu.paged_decode` runs here (loads the built library once)."""
+    global _loaded
+    if _loaded is None:
+        _loaded = False
+        path = library_path()
+        if not enabled():
+            logger.info("CPU kernels off (HETEROLLM_CPU_KERNELS=0): attention runs its torch path")
+        elif path is None:
+            logger.info("CPU kernels not built for this source and torch %s: attention runs its torch path "
+                        "(build them with `python -m heterollm_cpu.kernels`, as scripts/setup.sh does)",
+                        torch.__version__)
+        else:
+            torch.ops.load_library(str(path))
+            _register_fake()
+            _loaded = True
+    return _loaded
+
+
+def _register_fake() -> None:
+    """The op's shape rule, for torch.compile (the CPU graph runner traces through attention)."""
+    @torch.library.register_fake("heterollm_cpu::paged_decode")
+    def _(query, kv_cache, block_tables, seq_lens, scale):
+        return torch.empty_like(query)
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the kernels into the first writable build folder; returns the library's path."""
+    from torch.utils.cpp_extension import load
+
+    existing = library_path()
+    if existing is not None:
+        return existing
+    errors = []
+    for folder in build_dirs():
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe = folder / ".writable"
+            probe.touch()
+            probe.unlink()
+        except OSError as exc:
+            errors.append(f"{folder}: {exc}")
+            continue
+        load(name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+             build_directory=str(folder), is_python_module=False, verbose=verbose)
+        return folder / f"{NAME}.so"
+    raise OSError("no writable folder for the CPU kernels: " + "; ".join(errors))
+
+
+if __name__ == "__main__":
+    try:
+        print(f"heterollm CPU kernels: {build(verbose='-v' in sys.argv)}")
+    except Exception as exc:  # a machine without a C++ compiler still serves, through the torch path
+        print(f"heterollm CPU kernels were not built ({type(exc).__name__}: {exc}); attention runs its torch path",
+              file=sys.stderr)
+        sys.exit(1)
