@@ -13,6 +13,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -22,16 +25,98 @@ namespace {
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
-// One stored row (a key or a value) as fp32, in a loop the compiler vectorizes (bf16: the high
-// half of an fp32, so a widening shift).
-inline void load_row(const float* src, float* dst, int64_t dim) {
-  std::memcpy(dst, src, dim * sizeof(float));
+// The two inner loops over one block's keys (n rows of `dim`, contiguous in the cache):
+// scores[g * stride + j] = q_g . k_j, and acc_g += p[g * stride + j] * v_j, for the `group` query
+// heads sharing the KV head. Generic versions first; AVX-512 ones for head dims 64 and 128 keep a
+// key in registers (bf16: widened once) across the group's heads.
+template <typename KV>
+inline void block_scores_any(const float* q, const KV* keys, int64_t n, int64_t group, int64_t dim, float* scores,
+                             int64_t stride) {
+  for (int64_t j = 0; j < n; ++j) {
+    const KV* k = keys + j * dim;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * dim;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t d = 0; d < dim; ++d) s += qg[d] * to_float(k[d]);
+      scores[g * stride + j] = s;
+    }
+  }
 }
-inline void load_row(const c10::BFloat16* src, float* dst, int64_t dim) {
-  const uint16_t* raw = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* bits = reinterpret_cast<uint32_t*>(dst);
+
+template <typename KV>
+inline void block_values_any(const float* probs, int64_t stride, const KV* values, int64_t n, int64_t group,
+                             int64_t dim, float* acc) {
+  for (int64_t j = 0; j < n; ++j) {
+    const KV* v = values + j * dim;
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = probs[g * stride + j];
+      float* ag = acc + g * dim;
 #pragma omp simd
-  for (int64_t d = 0; d < dim; ++d) bits[d] = static_cast<uint32_t>(raw[d]) << 16;
+      for (int64_t d = 0; d < dim; ++d) ag[d] += p * to_float(v[d]);
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // bf16 is the high half of an fp32: widen, shift
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+template <int DC, typename KV>
+inline void block_scores_512(const float* q, const KV* keys, int64_t n, int64_t group, float* scores,
+                             int64_t stride) {
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 k[DC];
+    const KV* kj = keys + j * DC * 16;
+    for (int c = 0; c < DC; ++c) k[c] = load16(kj + 16 * c);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * DC * 16;
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), k[0]);
+      for (int c = 1; c < DC; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), k[c], acc);
+      scores[g * stride + j] = _mm512_reduce_add_ps(acc);
+    }
+  }
+}
+
+template <int DC, typename KV>
+inline void block_values_512(const float* probs, int64_t stride, const KV* values, int64_t n, int64_t group,
+                             float* acc) {
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 v[DC];
+    const KV* vj = values + j * DC * 16;
+    for (int c = 0; c < DC; ++c) v[c] = load16(vj + 16 * c);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 p = _mm512_set1_ps(probs[g * stride + j]);
+      float* ag = acc + g * DC * 16;
+      for (int c = 0; c < DC; ++c) {
+        _mm512_storeu_ps(ag + 16 * c, _mm512_fmadd_ps(p, v[c], _mm512_loadu_ps(ag + 16 * c)));
+      }
+    }
+  }
+}
+#endif
+
+template <typename KV>
+inline void block_scores(const float* q, const KV* keys, int64_t n, int64_t group, int64_t dim, float* scores,
+                         int64_t stride) {
+#if defined(__AVX512F__)
+  if (dim == 64) return block_scores_512<4>(q, keys, n, group, scores, stride);
+  if (dim == 128) return block_scores_512<8>(q, keys, n, group, scores, stride);
+#endif
+  block_scores_any(q, keys, n, group, dim, scores, stride);
+}
+
+template <typename KV>
+inline void block_values(const float* probs, int64_t stride, const KV* values, int64_t n, int64_t group, int64_t dim,
+                         float* acc) {
+#if defined(__AVX512F__)
+  if (dim == 64) return block_values_512<4>(probs, stride, values, n, group, acc);
+  if (dim == 128) return block_values_512<8>(probs, stride, values, n, group, acc);
+#endif
+  block_values_any(probs, stride, values, n, group, dim, acc);
 }
 
 template <typename Q, typename KV>
@@ -43,7 +128,7 @@ void decode_rows(const Q* query, const KV* cache, const int64_t* tables, const i
   const KV* keys = cache;
   const KV* values = cache + kv_heads * head_stride;
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * dim), scores(group * max_len), acc(group * dim), total(group), row(dim);
+    std::vector<float> q(group * dim), scores(group * max_len), acc(group * dim), total(group);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / kv_heads, h = item % kv_heads;
       const int64_t len = lens[r];
@@ -54,19 +139,8 @@ void decode_rows(const Q* query, const KV* cache, const int64_t* tables, const i
       }
       // scores: each key once, for every query head of the group
       for (int64_t start = 0; start < len; start += block_size) {
-        const int64_t n = std::min(block_size, len - start);
         const KV* block = keys + h * head_stride + table[start / block_size] * block_size * dim;
-        for (int64_t j = 0; j < n; ++j) {
-          load_row(block + j * dim, row.data(), dim);
-          const float* k = row.data();
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qg = q.data() + g * dim;
-            float s = 0.f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < dim; ++d) s += qg[d] * k[d];
-            scores[g * max_len + start + j] = s;
-          }
-        }
+        block_scores(q.data(), block, std::min(block_size, len - start), group, dim, scores.data() + start, max_len);
       }
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * max_len;
@@ -84,18 +158,9 @@ void decode_rows(const Q* query, const KV* cache, const int64_t* tables, const i
       std::fill(acc.begin(), acc.end(), 0.f);
       // the weighted sum: each value once
       for (int64_t start = 0; start < len; start += block_size) {
-        const int64_t n = std::min(block_size, len - start);
         const KV* block = values + h * head_stride + table[start / block_size] * block_size * dim;
-        for (int64_t j = 0; j < n; ++j) {
-          load_row(block + j * dim, row.data(), dim);
-          const float* v = row.data();
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * max_len + start + j];
-            float* ag = acc.data() + g * dim;
-#pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) ag[d] += p * v[d];
-          }
-        }
+        block_values(scores.data() + start, max_len, block, std::min(block_size, len - start), group, dim,
+                     acc.data());
       }
       for (int64_t g = 0; g < group; ++g) {
         Q* dst = out + (r * heads + h * group + g) * dim;
