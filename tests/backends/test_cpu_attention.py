@@ -55,12 +55,13 @@ def _reference(q, cache, tables, lens, scale):
                                                      (torch.bfloat16, torch.bfloat16, 2e-2),
                                                      (torch.float32, torch.bfloat16, 1e-5)])
 @pytest.mark.parametrize("heads, kv_heads, block_size", [(4, 4, 1), (9, 3, 3), (8, 2, 16), (6, 1, 128)])
-def test_kernel_matches_a_float64_reference(q_dtype, kv_dtype, tol, heads, kv_heads, block_size):
+@pytest.mark.parametrize("dim", [32, 64, 128])  # 64 and 128 take the AVX-512 loops where the CPU has them
+def test_kernel_matches_a_float64_reference(q_dtype, kv_dtype, tol, heads, kv_heads, block_size, dim):
     assert kernels.available()
     gen = torch.Generator().manual_seed(heads * 100 + block_size)
     lens = torch.tensor([1, 2, block_size, block_size + 1, 3 * block_size - 1, 40, 97])
     width = int((lens.max() + block_size - 1) // block_size)
-    num_blocks, dim = width + 16, 32
+    num_blocks = width + 16
     cache = torch.randn(2, kv_heads, num_blocks, block_size, dim, generator=gen).to(kv_dtype)
     tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in lens])
     q = torch.randn(len(lens), heads, dim, generator=gen).to(q_dtype)
