@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -104,6 +105,9 @@ def build(verbose: bool = False) -> Path:
             continue
         load(name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
              build_directory=str(folder), is_python_module=False, verbose=verbose)
+        for stale in folder.parent.iterdir():  # builds of earlier sources or another torch
+            if stale.is_dir() and stale != folder:
+                shutil.rmtree(stale, ignore_errors=True)
         return folder / f"{NAME}.so"
     raise OSError("no writable folder for the CPU kernels: " + "; ".join(errors))
 
