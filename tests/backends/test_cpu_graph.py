@@ -33,11 +33,19 @@ def folder(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("cpu_graph") / "llama", "llama")
 
 
-def test_compiled_decode_steps_give_the_eager_tokens_and_logprobs(folder):
+def test_compiled_decode_steps_give_the_eager_tokens_and_logprobs(folder, monkeypatch):
     """Batches of 3 and of 1, contexts crossing 4-slot blocks (fresh blocks zeroed inside the graph),
-    against eager and against transformers."""
+    against eager and against transformers; the compiled step traces without a graph break, with the
+    C++ decode kernel looked up for the first time in this engine (as in a fresh process)."""
+    from torch._dynamo.utils import counters
+
+    from heterollm_cpu import kernels
+
     eager_tokens, eager_lps, eager_replays = _run(folder, PROMPTS)
+    monkeypatch.setattr(kernels, "_loaded", None)
+    counters.clear()
     tokens, lps, replays = _run(folder, PROMPTS, enable_graph=True)
+    assert not counters["graph_break"], dict(counters["graph_break"])
     assert eager_replays == 0 and replays >= 11  # every decode step after the prefills, plus the start-up ones
     assert tokens == eager_tokens == hf_greedy(folder, PROMPTS, 12)
     assert lps == pytest.approx(eager_lps, abs=1e-4)

@@ -147,6 +147,11 @@ class CpuPagedAttention(AttentionBackend):
     def supports_tree_attention(cls) -> bool:
         return True
 
+    def __init__(self) -> None:
+        self.kernel = kernels.available()
+        """Whether the C++ decode kernel is loaded: asked here, once, not in `forward`, which the graph
+        runner traces (the first lookup hashes the kernel's source, which torch.compile cannot trace)."""
+
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (2, num_kv_heads, num_blocks, block_size, head_dim)
 
@@ -231,7 +236,7 @@ class CpuPagedAttention(AttentionBackend):
             early = torch.arange(bias.shape[-1], device=bias.device) < first
             bias = bias.masked_fill(early[None, :, None], float("-inf"))  # (B, L) -> (1, B, 1, L)
         use_kernel = (bias is not None and sliding_window is None and logit_softcap is None and metadata.decode_causal
-                      and query.dtype in KERNEL_DTYPES and kv_cache.dtype in KERNEL_DTYPES and kernels.available())
+                      and query.dtype in KERNEL_DTYPES and kv_cache.dtype in KERNEL_DTYPES and self.kernel)
 
         def decode(q: torch.Tensor) -> torch.Tensor:
             if use_kernel:  # each key and value read once, straight from the paged cache

@@ -73,8 +73,9 @@ def available() -> bool:
                         "(build them with `python -m heterollm_cpu.kernels`, as scripts/setup.sh does)",
                         torch.__version__)
         else:
-            torch.ops.load_library(str(path))
-            _register_fake()
+            if not hasattr(torch.ops.heterollm_cpu, "paged_decode"):  # loaded once per process
+                torch.ops.load_library(str(path))
+                _register_fake()
             _loaded = True
     return _loaded
 
