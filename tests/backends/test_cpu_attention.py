@@ -65,7 +65,7 @@ def test_kernel_matches_a_float64_reference(q_dtype, kv_dtype, tol, heads, kv_he
     cache = torch.randn(2, kv_heads, num_blocks, block_size, dim, generator=gen).to(kv_dtype)
     tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in lens])
     q = torch.randn(len(lens), heads, dim, generator=gen).to(q_dtype)
-    out = torch.ops.heterollm_cpu.paged_decode(q, cache, tables, lens, 0.3)
+    out = torch.ops.heterollm_cpu.paged_decode(q, cache, tables.reshape(-1), lens, 0.3)
     assert out.dtype == q_dtype and out.shape == q.shape
     # the reference reads the cache as stored; bf16 rounding of the output is the only extra error
     want = _reference(q, cache, tables, lens, 0.3)
@@ -75,7 +75,7 @@ def test_kernel_matches_a_float64_reference(q_dtype, kv_dtype, tol, heads, kv_he
 def test_kernel_refuses_shapes_it_cannot_serve():
     assert kernels.available()
     cache = torch.zeros(2, 3, 4, 8, 16)
-    ok = (torch.zeros(1, 6, 16), cache, torch.zeros(1, 1, dtype=torch.long), torch.tensor([8]))
+    ok = (torch.zeros(1, 6, 16), cache, torch.zeros(1, dtype=torch.long), torch.tensor([8]))
     torch.ops.heterollm_cpu.paged_decode(*ok, 1.0)
     with pytest.raises(RuntimeError, match="multiple of KV heads"):
         torch.ops.heterollm_cpu.paged_decode(torch.zeros(1, 5, 16), *ok[1:], 1.0)
@@ -83,3 +83,6 @@ def test_kernel_refuses_shapes_it_cannot_serve():
         torch.ops.heterollm_cpu.paged_decode(*ok[:3], torch.tensor([9]), 1.0)
     with pytest.raises(RuntimeError, match="at least one key"):
         torch.ops.heterollm_cpu.paged_decode(*ok[:3], torch.tensor([0]), 1.0)
+    with pytest.raises(RuntimeError, match="same number of blocks"):
+        torch.ops.heterollm_cpu.paged_decode(torch.zeros(2, 6, 16), cache, torch.zeros(3, dtype=torch.long),
+                                             torch.tensor([1, 1]), 1.0)

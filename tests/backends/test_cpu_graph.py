@@ -110,3 +110,20 @@ def test_graph_with_tensor_parallel_is_refused_on_cpu():
     cfg = load_config([], overrides={"model": "x", "enable_graph": True, "tp_size": 2}).config
     assert "--enable_graph with --tp_size > 1 is not supported on CPU" in CpuGraphRunner.validate(cfg)[0]
     assert CpuGraphRunner.validate(load_config([], overrides={"model": "x", "enable_graph": True}).config) == []
+
+
+def test_later_batch_sizes_reuse_the_start_up_graphs(folder):
+    """The graphs compiled at start-up (a batch of one, any larger batch) serve every later decode
+    step: batches of 5, 4, 3, 2, 1 and contexts crossing blocks compile nothing more (a compile while
+    serving stalls every request for seconds)."""
+    from torch._dynamo.utils import counters
+
+    llm = LLM(str(folder), dtype="float32", block_size=4, num_gpu_blocks_override=64, enable_graph=True)
+    try:
+        compiled = counters["frames"]["total"]
+        replays = llm.engine.executor.runner.graph_runner.num_replays
+        llm.generate(PROMPTS + [[1, 2], [3] * 9], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        assert llm.engine.executor.runner.graph_runner.num_replays - replays >= 11
+        assert counters["frames"]["total"] == compiled
+    finally:
+        llm.shutdown()

@@ -108,8 +108,9 @@ class CpuAttentionMetadata(AttentionMetadata):
     """(1, B, 1, nb * block_size) fp32: 0 for real keys, -inf for padding."""
     decode_lens: torch.Tensor | None = None
     """(B,) context length of each decode after this step (a sliding window ends at its last key)."""
-    decode_tables: torch.Tensor | None = None
-    """(B, nb) the same block ids as decode_blocks, one row per decode (the C++ kernel's view)."""
+    all_decode: bool = False
+    """`decode_only`, fixed when the metadata is built: forward reads this bool, so a compiled step
+    guards on True/False rather than on the step's token counts (a recompile per batch size)."""
     decode_causal: bool = True
     """Every decode row attends to the keys before its own end, none masked among them (no draft
     tree): what the C++ kernel computes (kernels.py)."""
@@ -124,8 +125,7 @@ class CpuAttentionMetadata(AttentionMetadata):
         """The dimensions that change from one decode-only step to the next (batch, context blocks):
         the CPU graph runner compiles them as symbols, everything else as constants."""
         return [(self.slot_mapping, 0), (self.fresh_blocks, 0), (self.decode_rows, 0), (self.decode_blocks, 0),
-                (self.decode_bias, 1), (self.decode_bias, 3), (self.decode_lens, 0), (self.decode_tables, 0),
-                (self.decode_tables, 1)]
+                (self.decode_bias, 1), (self.decode_bias, 3), (self.decode_lens, 0)]
 
 
 class CpuPagedAttention(AttentionBackend):
@@ -178,6 +178,7 @@ class CpuPagedAttention(AttentionBackend):
             seq_lens=seq_lens.to(device), block_tables=tables.to(device),
             query_lens=list(inputs.query_lens), context_lens=list(inputs.context_lens), block_size=bs,
             num_prefill_tokens=inputs.num_prefill_tokens, num_decode_tokens=inputs.num_decode_tokens)
+        meta.all_decode = meta.decode_only
         blocks = slots // bs
         filled = torch.bincount(blocks, minlength=0)[blocks]  # new tokens landing in the same block
         meta.fresh_blocks = blocks[(pos % bs == 0) & (filled < bs)].to(device)
@@ -200,8 +201,7 @@ class CpuPagedAttention(AttentionBackend):
                 first += q
             bias = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))[None, :, None, :]
             meta.decode_rows = (starts[seq] + j).to(device)
-            meta.decode_tables = tables[seq, :nb].to(device)
-            meta.decode_blocks = meta.decode_tables.reshape(-1)
+            meta.decode_blocks = tables[seq, :nb].reshape(-1).to(device)
             meta.decode_causal = all(trees[i] is None for i in seqs.tolist())
             meta.decode_bias = bias.to(device)
             meta.decode_lens = lens.to(device)
@@ -240,11 +240,11 @@ class CpuPagedAttention(AttentionBackend):
 
         def decode(q: torch.Tensor) -> torch.Tensor:
             if use_kernel:  # each key and value read once, straight from the paged cache
-                return torch.ops.heterollm_cpu.paged_decode(q, kv_cache, metadata.decode_tables, metadata.decode_lens,
+                return torch.ops.heterollm_cpu.paged_decode(q, kv_cache, metadata.decode_blocks, metadata.decode_lens,
                                                             scale)
             return self._decode(q, kv_cache, metadata.decode_blocks, bias, scale, logit_softcap)
 
-        if metadata.decode_only:  # no scatter back
+        if metadata.all_decode:  # no scatter back
             return decode(query)
         out = torch.empty_like(query)
         if metadata.decode_rows is not None:

@@ -3,8 +3,9 @@
 // paged cache. Built from source by scripts/setup.sh (heterollm_cpu/kernels.py); the torch path in
 // attention.py is the fallback and the reference.
 //
-// query (R, H, D); kv_cache (2, KVH, NB, BS, D); block_tables (R, W) int64, the row's blocks in
-// order; seq_lens (R,) int64, the keys each row attends to (positions 0 .. len-1); -> (R, H, D).
+// query (R, H, D); kv_cache (2, KVH, NB, BS, D); block_tables (R * W,) int64, each row's W blocks
+// in order (flat, so a compiled caller never sees a dimension that may be 1); seq_lens (R,) int64,
+// the keys each row attends to (positions 0 .. len-1); -> (R, H, D).
 // Scores, softmax and the weighted sum run in fp32 whatever the storage dtype (fp32 or bf16).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -176,7 +177,7 @@ void dispatch_kv(const torch::Tensor& query, const torch::Tensor& cache, const t
                  const torch::Tensor& lens, torch::Tensor& out, int64_t max_len, float scale) {
   const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t kv_heads = cache.size(1), num_blocks = cache.size(2), block_size = cache.size(3);
-  const int64_t width = tables.size(1);
+  const int64_t width = tables.size(0) / rows;
   if (cache.scalar_type() == torch::kBFloat16) {
     decode_rows<Q, c10::BFloat16>(query.data_ptr<Q>(), cache.data_ptr<c10::BFloat16>(), tables.data_ptr<int64_t>(),
                                   lens.data_ptr<int64_t>(), out.data_ptr<Q>(), rows, heads, kv_heads, num_blocks,
@@ -201,13 +202,14 @@ torch::Tensor paged_decode(const torch::Tensor& query_in, const torch::Tensor& k
   const auto query = query_in.contiguous();
   const auto tables = block_tables_in.to(torch::kLong).contiguous();
   const auto lens = seq_lens_in.to(torch::kLong).contiguous();
-  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == query.size(0), "paged_decode: one block table per row");
+  TORCH_CHECK(tables.dim() == 1 && query.size(0) > 0 && tables.size(0) % query.size(0) == 0,
+              "paged_decode: block_tables must hold the same number of blocks for every row");
   TORCH_CHECK(lens.dim() == 1 && lens.size(0) == query.size(0), "paged_decode: one length per row");
   auto out = torch::empty_like(query);
-  if (query.size(0) == 0) return out;
   const int64_t max_len = lens.max().item<int64_t>();
   TORCH_CHECK(lens.min().item<int64_t>() >= 1, "paged_decode: every row attends to at least one key");
-  TORCH_CHECK(max_len <= tables.size(1) * kv_cache.size(3), "paged_decode: a row is longer than its block table");
+  TORCH_CHECK(max_len <= tables.size(0) / query.size(0) * kv_cache.size(3),
+              "paged_decode: a row is longer than its block table");
   if (qt == torch::kBFloat16) {
     dispatch_kv<c10::BFloat16>(query, kv_cache, tables, lens, out, max_len, static_cast<float>(scale));
   } else {
