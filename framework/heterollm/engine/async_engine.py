@@ -30,6 +30,43 @@ class EngineError(RuntimeError):
     """The engine failed while running a request (HTTP 500); the engine itself keeps serving."""
 
 
+class Outstanding:
+    """Per admitted request, the tokens it still costs (prompt + tokens left to generate): how a
+    server with several replicas picks one. Thread-safe: the caller's loop admits, the engine side
+    updates and drops."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cost: dict[str, int] = {}
+        """Tokens at admission (prompt + max_tokens x n)."""
+        self._left: dict[str, int] = {}
+
+    def admit(self, request_id: str, prompt: str | list[int], prompt_token_ids: list[int] | None,
+              params: SamplingParams) -> None:
+        cost = len(prompt_token_ids or prompt) + (params.max_tokens or 0) * params.num_sequences
+        with self._lock:
+            self._cost[request_id] = self._left[request_id] = cost
+
+    def progress(self, output: RequestOutput) -> None:
+        """The tokens an output carries are no longer outstanding; a finished request, nothing is."""
+        request_id = output.request_id
+        if output.finished:
+            self.drop(request_id)
+            return
+        with self._lock:
+            if request_id in self._left:
+                self._left[request_id] = self._cost[request_id] - sum(len(c.token_ids) for c in output.outputs)
+
+    def drop(self, request_id: str) -> None:
+        with self._lock:
+            self._cost.pop(request_id, None)
+            self._left.pop(request_id, None)
+
+    def total(self) -> int:
+        with self._lock:
+            return sum(self._left.values())
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -56,10 +93,7 @@ class AsyncEngine:
         self._submit_lock = threading.Lock()
         self._closed = False
         """Set under _submit_lock before the loop's final drain: no command can slip in after it."""
-        self._load: dict[str, int] = {}
-        self._cost: dict[str, int] = {}
-        """Per request: its tokens at admission (prompt + max_tokens x n); _load: what is left."""
-        self._load_lock = threading.Lock()
+        self._outstanding = Outstanding()
         self.steps = 0
         self.step_errors = 0
 
@@ -95,9 +129,7 @@ class AsyncEngine:
             raise self._not_running()
         if params.structured_outputs is not None:
             await self._compiled(params.structured_outputs)
-        cost = len(prompt_token_ids or prompt) + (params.max_tokens or 0) * params.num_sequences
-        with self._load_lock:
-            self._load[request_id] = self._cost[request_id] = cost
+        self._outstanding.admit(request_id, prompt, prompt_token_ids, params)
         loop = asyncio.get_running_loop()
         admitted = loop.create_future()
         stream = _Stream(loop, asyncio.Queue())
@@ -183,27 +215,21 @@ class AsyncEngine:
     def load(self) -> int:
         """Outstanding tokens (prompt + tokens still to generate) of the requests admitted and not
         finished: how a server with several replicas picks one."""
-        with self._load_lock:
-            return sum(self._load.values())
+        return self._outstanding.total()
 
     def _unload(self, request_id: str) -> None:
-        with self._load_lock:
-            self._load.pop(request_id, None)
-            self._cost.pop(request_id, None)
+        self._outstanding.drop(request_id)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
         if stream is None:
             self._unload(request_id)
             return
-        final = isinstance(item, BaseException) or item.finished
-        if final:
+        if isinstance(item, BaseException) or item.finished:
             del self._streams[request_id]
             self._unload(request_id)
-        else:  # tokens generated are no longer outstanding
-            with self._load_lock:
-                if request_id in self._load:
-                    self._load[request_id] = self._cost[request_id] - sum(len(c.token_ids) for c in item.outputs)
+        else:
+            self._outstanding.progress(item)
         try:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
         except RuntimeError:  # the caller's loop is closed: nobody is listening any more
@@ -282,11 +308,7 @@ class AsyncEngine:
                     self._deliver(request_id, EngineError(f"the engine failed on this batch: {exc}"))
                 continue
             for out in outputs:
-                if out.finished and self.on_finished is not None:
-                    try:
-                        self.on_finished(out)
-                    except Exception:
-                        logger.exception("on_finished hook failed")
+                report_finished(self.on_finished, out)
                 self._deliver(out.request_id, out)
         # shutting down: whoever still waits learns why
         with self._submit_lock:
@@ -333,6 +355,15 @@ class RequestStream:
                 yield item
         finally:
             self.close()
+
+
+def report_finished(hook: Callable[[RequestOutput], None] | None, output: RequestOutput) -> None:
+    """Give a finished request's output to the server's hook (metrics); a hook that fails is logged."""
+    if output.finished and hook is not None:
+        try:
+            hook(output)
+        except Exception:
+            logger.exception("on_finished hook failed")
 
 
 def _settle(future: asyncio.Future, exc: BaseException | None) -> None:

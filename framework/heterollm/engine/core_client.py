@@ -29,7 +29,8 @@ import zmq
 
 from heterollm.config import ConfigError, HeterollmConfig
 from heterollm.engine import core_ipc as ipc
-from heterollm.engine.async_engine import EngineError, RequestStream, _settle, _Stream
+from heterollm.engine.async_engine import (EngineError, Outstanding, RequestStream, _settle, _Stream,
+                                           report_finished)
 from heterollm.engine.core_process import CoreAddresses, core_main
 from heterollm.engine.outputs import RequestOutput
 from heterollm.pooling import PoolingParams
@@ -107,8 +108,7 @@ class EngineCoreClient:
         self._admitting: dict[str, tuple[asyncio.Future, _Stream]] = {}
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._call_ids = itertools.count()
-        self._load: dict[str, int] = {}
-        self._cost: dict[str, int] = {}
+        self._outstanding = Outstanding()
         self._lock = threading.Lock()
         """Guards the tables above: the asyncio loop writes them, the receiver thread reads and pops."""
         self._stats: dict[str, Any] | None = None
@@ -210,10 +210,9 @@ class EngineCoreClient:
         loop = asyncio.get_running_loop()
         admitted = loop.create_future()
         stream = _Stream(loop, asyncio.Queue())
-        cost = len(prompt_token_ids or prompt) + (params.max_tokens or 0) * params.num_sequences
+        self._outstanding.admit(request_id, prompt, prompt_token_ids, params)
         with self._lock:
             self._admitting[request_id] = (admitted, stream)
-            self._load[request_id] = self._cost[request_id] = cost
         try:
             self._send(msg)
             await asyncio.wait_for(admitted, self.rpc_timeout)
@@ -233,8 +232,7 @@ class EngineCoreClient:
         with self._lock:
             self._admitting.pop(request_id, None)
             self._streams.pop(request_id, None)
-            self._load.pop(request_id, None)
-            self._cost.pop(request_id, None)
+        self._outstanding.drop(request_id)
         if self.alive:
             try:
                 self._send(ipc.Abort(request_id))
@@ -269,13 +267,11 @@ class EngineCoreClient:
 
     @property
     def load(self) -> int:
-        with self._lock:
-            return sum(self._load.values())
+        """Outstanding tokens of the requests in this core (Outstanding)."""
+        return self._outstanding.total()
 
     def _unload(self, request_id: str) -> None:
-        with self._lock:
-            self._load.pop(request_id, None)
-            self._cost.pop(request_id, None)
+        self._outstanding.drop(request_id)
 
     # -- the receiver thread -----------------------------------------------------------------
     def _receive(self) -> None:
@@ -300,11 +296,7 @@ class EngineCoreClient:
                 self._stats = msg.stats
             for data in msg.outputs:
                 out = ipc.output_from_wire(data)
-                if out.finished and self.on_finished is not None:
-                    try:
-                        self.on_finished(out)
-                    except Exception:
-                        logger.exception("on_finished hook failed")
+                report_finished(self.on_finished, out)
                 self._deliver(out.request_id, out)
             for request_id in msg.aborted:
                 if self.on_aborted is not None:
@@ -333,17 +325,13 @@ class EngineCoreClient:
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         final = isinstance(item, BaseException) or item.finished
         with self._lock:
-            stream = self._streams.get(request_id)
-            if stream is None:
-                self._load.pop(request_id, None)
-                self._cost.pop(request_id, None)
-                return
-            if final:
-                del self._streams[request_id]
-                self._load.pop(request_id, None)
-                self._cost.pop(request_id, None)
-            elif request_id in self._load:  # tokens generated are no longer outstanding
-                self._load[request_id] = self._cost[request_id] - sum(len(c.token_ids) for c in item.outputs)
+            stream = self._streams.pop(request_id, None) if final else self._streams.get(request_id)
+        if stream is None or final:
+            self._unload(request_id)
+        else:
+            self._outstanding.progress(item)
+        if stream is None:
+            return
         try:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
         except RuntimeError:  # the caller's loop is closed: nobody is listening any more
