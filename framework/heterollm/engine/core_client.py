@@ -46,7 +46,8 @@ POLL_MS = 100
 class EngineFrontend:
     """The engine as the API server process sees it (no weights, no KV cache)."""
 
-    def __init__(self, config: HeterollmConfig, max_model_len: int) -> None:
+    def __init__(self, config: HeterollmConfig, max_model_len: int | None = None) -> None:
+        """`max_model_len`: None until the cores report theirs (EngineCoreClient.wait_ready)."""
         from heterollm.model_executor.loader import resolve_model
         from heterollm.plugins import make_plugin_manager
         from heterollm.pooling.task import build_setup
@@ -118,13 +119,17 @@ class EngineCoreClient:
             target=core_main, name=f"heterollm-core-{dp_rank}", daemon=False,
             args=(config, dp_rank, self.addresses, os.getpid(), logging.getLogger().getEffectiveLevel()))
         self.process.start()
+        self._started = time.monotonic()
         logger.info("engine core (dp rank %d) starting in process %d", dp_rank, self.process.pid)
 
     # -- start-up and shutdown ---------------------------------------------------------------
-    def wait_ready(self) -> None:
+    def wait_ready(self, frontend: EngineFrontend | None = None) -> None:
         """Block until the engine has loaded; raises ConfigError (a launch the flags make impossible)
-        or RuntimeError (it failed while loading, or the process died)."""
-        started = time.monotonic()
+        or RuntimeError (it failed while loading, or the process died). `frontend`: the API server's
+        view, shared by the replicas (built here when not given); its max_model_len becomes the
+        smallest any core reports."""
+        if frontend is None:
+            frontend = EngineFrontend(self.config)
         while True:
             if self._from_core.poll(POLL_MS):
                 msg = self._dec.decode(self._from_core.recv())
@@ -138,9 +143,11 @@ class EngineCoreClient:
             elif not self.process.is_alive():
                 raise RuntimeError(f"the engine core (dp rank {self.dp_rank}) exited with status "
                                    f"{self.process.exitcode} while loading")
-        self.frontend = EngineFrontend(self.config, msg.max_model_len)
+        known = frontend.max_model_len
+        frontend.max_model_len = msg.max_model_len if known is None else min(known, msg.max_model_len)
+        self.frontend = frontend
         logger.info("engine core (dp rank %d) ready in %.1fs: process %d, %d KV blocks, max_model_len %d",
-                    self.dp_rank, time.monotonic() - started, msg.pid, msg.num_blocks, msg.max_model_len)
+                    self.dp_rank, time.monotonic() - self._started, msg.pid, msg.num_blocks, msg.max_model_len)
         self._receiver = threading.Thread(target=self._receive, name=f"heterollm-core-client-{self.dp_rank}",
                                           daemon=True)
         self._receiver.start()
@@ -391,8 +398,9 @@ def start_engine_cores(config: HeterollmConfig) -> list[EngineCoreClient]:
     try:
         for rank in range(config.parallel.dp_size):
             clients.append(EngineCoreClient(config, rank))
+        frontend = EngineFrontend(config)  # the tokenizer and chat template load while the cores do
         for client in clients:
-            client.wait_ready()
+            client.wait_ready(frontend)
     except BaseException:
         for client in clients:
             client.shutdown(timeout=10)
