@@ -74,14 +74,15 @@ def test_the_core_process_answers_as_the_in_process_engine(core, local, body):
 
 
 def test_streaming_from_the_core_process(core, local):
-    body = {"prompt": "stream it", "max_tokens": 9, "temperature": 0, "stream": True,
+    body = {"prompt": "stream it", "max_tokens": 9, "temperature": 0, "stream": True, "logprobs": 2,
             "stream_options": {"include_usage": True}}
 
     def chunks(url):
         with httpx.stream("POST", url + "/v1/completions", json={"model": MODEL, **body}, timeout=60) as r:
             events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
-        return [(c["choices"][0]["text"] if c["choices"] else None, c.get("usage")) for c in map(json.loads, events[:-1])]
+        return [(c["choices"][0]["text"], c["choices"][0]["logprobs"]) if c["choices"] else c["usage"]
+                for c in map(json.loads, events[:-1])]
 
     assert chunks(core.url) == chunks(local.url)
 
@@ -144,6 +145,38 @@ def test_outputs_cross_the_wire_intact():
                             seed=3, max_tokens=9)
     assert ipc.params_from_wire(ipc.to_core_decoder().decode(ipc.encoder().encode(
         ipc.Add("r", "p", None, ipc.params_to_wire(params)))).params) == params
+
+
+def test_running_outputs_carry_only_their_new_logprobs():
+    """A stream with logprobs: each running output sends the positions added since the last one and
+    the prompt logprobs once; the API server's side rebuilds every output whole; a finished output
+    is whole on the wire too. An output of a request forgotten (aborted) meanwhile is not rebuilt."""
+    sender, receiver = ipc.OutputSender(), ipc.OutputReceiver()
+    enc, dec = ipc.encoder(), ipc.from_core_decoder()
+    prompt_lps = [None, TokenLogprobs(3, -1.0, 2, [(4, -0.5), (3, -1.0)])]
+    lps = [TokenLogprobs(10 + i, -0.1 * i, 1, [(10 + i, -0.1 * i), (99, -5.0)]) for i in range(6)]
+
+    def output(n: int, finished: bool = False) -> RequestOutput:
+        return RequestOutput("r", "p", [1, 3], [CompletionOutput(0, "t" * n, [10 + i for i in range(n)], lps[:n],
+                                                                 "length" if finished else None)],
+                             finished, RequestMetrics(1.0), prompt_lps)
+
+    sizes = []
+    for n, finished in ((1, False), (3, False), (4, False), (6, True)):
+        data = enc.encode(ipc.Outputs([sender.encode(output(n, finished))]))
+        sizes.append(len(data))
+        wire = dec.decode(data).outputs[0]
+        if not finished:
+            assert wire["outputs"][0]["logprobs_start"] == {1: 0, 3: 1, 4: 3}[n]
+            assert len(wire["outputs"][0]["logprobs"]) == {1: 1, 3: 2, 4: 1}[n]
+            assert (wire["prompt_logprobs"] is None) == (n != 1)
+        assert receiver.decode(wire) == output(n, finished)
+    assert sizes[2] < sizes[1] and sizes[3] > sizes[1]  # one new position vs two; the finished one whole
+    assert not sender._sent and not receiver._logprobs and not receiver._prompt_logprobs
+    sender.encode(output(2))
+    late = dec.decode(enc.encode(ipc.Outputs([sender.encode(output(3))]))).outputs[0]
+    receiver.forget("r")
+    assert receiver.decode(late).outputs[0].logprobs == lps[2:3] and not receiver._logprobs
 
 
 def test_a_killed_core_fails_every_request_and_health_turns_503(tiny_llama):

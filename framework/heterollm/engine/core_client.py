@@ -92,6 +92,8 @@ class EngineCoreClient:
         self.frontend: EngineFrontend | None = None
         self.dead: str | None = None
         self._enc, self._dec = ipc.encoder(), ipc.from_core_decoder()
+        self._receiver_outputs = ipc.OutputReceiver()
+        """Rebuilds whole outputs from the core's deltas (receiver thread only, but for `forget`)."""
         self._ctx = zmq.Context()
         self.addresses = _addresses(config, dp_rank)
         self._to_core = self._ctx.socket(zmq.PUSH)
@@ -240,6 +242,7 @@ class EngineCoreClient:
             self._admitting.pop(request_id, None)
             self._streams.pop(request_id, None)
         self._outstanding.drop(request_id)
+        self._receiver_outputs.forget(request_id)
         if self.alive:
             try:
                 self._send(ipc.Abort(request_id))
@@ -302,7 +305,12 @@ class EngineCoreClient:
             if msg.stats is not None:
                 self._stats = msg.stats
             for data in msg.outputs:
-                out = ipc.output_from_wire(data)
+                with self._lock:
+                    listening = data["request_id"] in self._streams
+                if not listening:  # aborted: its last outputs were already on their way
+                    self._unload(data["request_id"])
+                    continue
+                out = self._receiver_outputs.decode(data)
                 report_finished(self.on_finished, out)
                 self._deliver(out.request_id, out)
             for request_id in msg.aborted:
@@ -320,6 +328,7 @@ class EngineCoreClient:
             entry[1].loop.call_soon_threadsafe(_settle, entry[0], _error(msg.error))
         elif isinstance(msg, ipc.StepFailed):
             for request_id in msg.request_ids:
+                self._receiver_outputs.forget(request_id)
                 self._deliver(request_id, EngineError(msg.message))
         elif isinstance(msg, ipc.UtilityResult):
             with self._lock:

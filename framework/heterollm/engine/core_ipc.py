@@ -161,7 +161,81 @@ def pooling_from_wire(data: dict[str, Any] | None) -> PoolingParams | None:
 
 
 def output_to_wire(out: RequestOutput) -> dict[str, Any]:
+    """The whole output (OutputSender sends less while a request runs)."""
     return msgspec.to_builtins(out, enc_hook=_enc_hook)
+
+
+class OutputSender:
+    """The core's side of the outputs: while a request runs, each of its outputs carries only the
+    logprobs added since the previous one (`logprobs_start`: the position of the first carried) and
+    its prompt logprobs once; a finished output is whole. Without this, a stream asking for logprobs
+    would re-send (and the API server rebuild) every earlier position at every step: ~11 ms per
+    output of 1,000 tokens with top-5 logprobs, against 0.03 ms without logprobs."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, dict[int, int]] = {}
+        """Per running request: per completion index, the logprobs already sent."""
+
+    def encode(self, out: RequestOutput) -> dict[str, Any]:
+        if out.finished:
+            self._sent.pop(out.request_id, None)
+            return output_to_wire(out)
+        first = out.request_id not in self._sent
+        sent = self._sent.setdefault(out.request_id, {})
+        completions = []
+        for c in out.outputs:
+            start = sent.get(c.index, 0)
+            if c.logprobs is not None:
+                sent[c.index] = len(c.logprobs)
+                c = dataclasses.replace(c, logprobs=c.logprobs[start:])
+            completions.append((c, start))
+        lean = dataclasses.replace(out, outputs=[c for c, _ in completions],
+                                   prompt_logprobs=out.prompt_logprobs if first else None)
+        data = output_to_wire(lean)
+        for wire, (_, start) in zip(data["outputs"], completions):
+            wire["logprobs_start"] = start
+        data["prompt_logprobs_sent"] = not first and out.prompt_logprobs is not None
+        return data
+
+    def forget(self, request_id: str) -> None:
+        """The request ended without a finished output (aborted, or its step failed)."""
+        self._sent.pop(request_id, None)
+
+
+class OutputReceiver:
+    """The API server's side: rebuilds each whole RequestOutput from OutputSender's messages."""
+
+    def __init__(self) -> None:
+        self._logprobs: dict[str, dict[int, list[TokenLogprobs]]] = {}
+        self._prompt_logprobs: dict[str, list[TokenLogprobs | None] | None] = {}
+
+    def decode(self, data: dict[str, Any]) -> RequestOutput:
+        out = output_from_wire(data)
+        request_id = out.request_id
+        if out.finished:
+            self.forget(request_id)
+            return out
+        held = self._logprobs.get(request_id)
+        if held is None:
+            if any(wire.get("logprobs_start", 0) for wire in data["outputs"]):
+                return out  # forgotten (aborted) while this output was on its way: nobody reads it
+            held = self._logprobs[request_id] = {}
+        for wire, c in zip(data["outputs"], out.outputs):
+            if c.logprobs is None:
+                continue
+            have = held.setdefault(c.index, [])
+            del have[wire.get("logprobs_start", 0):]  # (equal lengths: both sides count per index)
+            have.extend(c.logprobs)
+            c.logprobs = list(have)
+        if data.get("prompt_logprobs_sent"):
+            out.prompt_logprobs = self._prompt_logprobs.get(request_id)
+        elif out.prompt_logprobs is not None:
+            self._prompt_logprobs[request_id] = out.prompt_logprobs
+        return out
+
+    def forget(self, request_id: str) -> None:
+        self._logprobs.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
 
 
 def _logprobs(items: list[dict[str, Any] | None] | None) -> list[TokenLogprobs | None] | None:

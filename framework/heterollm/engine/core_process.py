@@ -113,6 +113,7 @@ class EngineCore:
         self.compiling: dict[str, tuple[Future, ipc.Add]] = {}
         """Requests waiting for their grammar to compile before admission, in arrival order."""
         self.aborted: list[str] = []
+        self.sender = ipc.OutputSender()
         self._stats_sent = 0.0
         self._idle_interval = min(0.5, engine.config.server.health_check_interval_ms / 1000)
 
@@ -164,6 +165,7 @@ class EngineCore:
             failed = sorted(self.live)
             for request_id in failed:
                 self.engine.abort(request_id)
+                self.sender.forget(request_id)
             self.live.clear()
             # blocks registered when the failed step was scheduled (in-batch sharing) hold no K/V
             self.engine.kv.reset_prefix_cache()
@@ -176,7 +178,7 @@ class EngineCore:
         stats = None
         if now - self._stats_sent >= ipc.STATS_INTERVAL_S:
             stats, self._stats_sent = self.engine.stats(), now
-        self._send(ipc.Outputs([ipc.output_to_wire(o) for o in outputs], self._take_aborted(), stats))
+        self._send(ipc.Outputs([self.sender.encode(o) for o in outputs], self._take_aborted(), stats))
 
     def _take_aborted(self) -> list[str]:
         taken, self.aborted = self.aborted, []
@@ -234,6 +236,7 @@ class EngineCore:
     def _abort(self, request_id: str) -> None:
         self.compiling.pop(request_id, None)
         self.live.discard(request_id)
+        self.sender.forget(request_id)
         if self.engine.is_unfinished(request_id):
             self.engine.abort(request_id)
             self.aborted.append(request_id)
