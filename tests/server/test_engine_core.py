@@ -240,10 +240,20 @@ def test_a_launch_error_in_the_core_is_a_config_error(tmp_path):
     assert "missing" in str(info.value)
 
 
-def test_the_core_exits_when_serve_is_killed(tiny_llama):
+@pytest.fixture(scope="module")
+def long_llama(tmp_path_factory):
+    from helpers import build_tiny_model
+    return build_tiny_model(tmp_path_factory.mktemp("core-long-llama"), "llama", max_position_embeddings=8192)
+
+
+def test_the_core_exits_when_serve_is_killed_mid_stream(long_llama):
+    """kill -9 of `serve` while the core is busy with a long stream: the core does not run it to the end
+    (its outputs would fill a socket nobody reads) but exits at its next step."""
+    import threading
+
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "heterollm.entrypoints.cli", "serve", "--model", str(tiny_llama),
-                             "--host=127.0.0.1", f"--port={port}", "--dtype=float32", "--max_model_len=256"],
+    proc = subprocess.Popen([sys.executable, "-m", "heterollm.entrypoints.cli", "serve", "--model", str(long_llama),
+                             "--host=127.0.0.1", f"--port={port}", "--dtype=float32", "--max_model_len=8192"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -258,6 +268,19 @@ def test_the_core_exits_when_serve_is_killed(tiny_llama):
             time.sleep(0.2)
         cores = spawned_children(proc.pid)
         assert len(cores) == 1
+        started = threading.Event()
+
+        def stream() -> None:
+            body = {"prompt": "go", "max_tokens": 8000, "ignore_eos": True, "stream": True}
+            try:
+                with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
+                    for _ in r.iter_lines():
+                        started.set()
+            except httpx.HTTPError:
+                pass
+
+        threading.Thread(target=stream, daemon=True).start()
+        assert started.wait(60)
         proc.kill()
         proc.wait(30)
         deadline = time.monotonic() + 15

@@ -208,7 +208,7 @@ def test_data_parallel_routes_to_the_least_loaded_replica(long_model):
             for body, want in ((long_body(LONG), (1, 0)), (long_body(1500), (1, 1)), (long_body(500), (1, 2))):
                 streams.append(Stream(srv.url, body))
                 assert streams[-1].started.wait(60)
-                assert (len(r0._load), len(r1._load)) == want, [r0._load, r1._load]
+                assert (len(r0._outstanding), len(r1._outstanding)) == want, [r0.load, r1.load]
         finally:
             for s in streams:
                 s.close()

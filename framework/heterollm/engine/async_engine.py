@@ -66,6 +66,11 @@ class Outstanding:
         with self._lock:
             return sum(self._left.values())
 
+    def __len__(self) -> int:
+        """Requests admitted and not done."""
+        with self._lock:
+            return len(self._left)
+
 
 @dataclass
 class _Stream:

@@ -140,10 +140,10 @@ class EngineCore:
                     self._handle(msg)
                     timeout = 0
                 self._admit_compiled()
+                if os.getppid() != self.parent_pid:  # checked busy too: its outputs would fill the socket
+                    logger.error("the API server process is gone; the engine core exits")
+                    return 1
                 if not self.engine.has_unfinished():
-                    if os.getppid() != self.parent_pid:
-                        logger.error("the API server process is gone; the engine core exits")
-                        return 1
                     self.engine.check_health()
                     continue
                 was_busy = True
