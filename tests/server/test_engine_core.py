@@ -305,3 +305,23 @@ def _state(pid: int) -> str:
 def test_the_link_flags_are_refused_where_no_core_process_runs(cli, tiny_llama, flag):
     r = cli("generate", "--model", str(tiny_llama), flag, "--prompt", "x")
     assert r.rc == 2 and flag in r.err and "engine-core process" in r.err and "Traceback" not in r.err
+
+
+def test_embeddings_through_the_core_process(tiny_llama):
+    """A pooling launch: the pooled vectors cross the process boundary (as lists, rebuilt as fp32
+    tensors) and equal the in-process engine's."""
+    body = {"model": MODEL, "input": ["hello world", "a second, longer input"], "dimensions": 8}
+    clients = start_engine_cores(core_config(tiny_llama, task="embed"))
+    try:
+        with serving(clients) as running:
+            remote = httpx.post(running.url + "/v1/embeddings", json=body, timeout=60)
+            refused = _post(running.url, {"prompt": "x", "max_tokens": 2})
+    finally:
+        for c in clients:
+            c.shutdown()
+    with serving(make_engine(tiny_llama, task="embed")) as running:
+        here = httpx.post(running.url + "/v1/embeddings", json=body, timeout=60)
+    assert remote.status_code == here.status_code == 200, remote.text
+    assert [d["embedding"] for d in remote.json()["data"]] == [d["embedding"] for d in here.json()["data"]]
+    assert len(remote.json()["data"][0]["embedding"]) == 8
+    assert refused.status_code == 400 and "--task" in refused.json()["error"]["message"]
