@@ -325,3 +325,59 @@ def test_embeddings_through_the_core_process(tiny_llama):
     assert [d["embedding"] for d in remote.json()["data"]] == [d["embedding"] for d in here.json()["data"]]
     assert len(remote.json()["data"][0]["embedding"]) == 8
     assert refused.status_code == 400 and "--task" in refused.json()["error"]["message"]
+
+
+def test_a_failed_step_fails_its_requests_and_the_core_goes_on(tiny_llama):
+    """The core's loop in this process over inproc sockets: a step that raises fails the requests the
+    engine holds (StepFailed naming each), and the next request is served."""
+    import threading
+
+    import zmq
+
+    from heterollm.engine.core_process import EngineCore
+
+    engine = make_engine(tiny_llama)
+    ctx = zmq.Context()
+    to_core, inbox, from_core, outbox = (ctx.socket(k) for k in (zmq.PUSH, zmq.PULL, zmq.PULL, zmq.PUSH))
+    to_core.bind("inproc://core-in"), inbox.connect("inproc://core-in")
+    from_core.bind("inproc://core-out"), outbox.connect("inproc://core-out")
+    real, failed_once = engine.executor.execute, []
+
+    def execute(so):
+        if not failed_once:
+            failed_once.append(True)
+            raise RuntimeError("planted failure")
+        return real(so)
+
+    engine.executor.execute = execute
+    core = EngineCore(engine, inbox, outbox, os.getppid())
+    thread = threading.Thread(target=core.run)
+    thread.start()
+    enc, dec = ipc.encoder(), ipc.from_core_decoder()
+    params = ipc.params_to_wire(SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+
+    def until(kind):
+        while True:
+            assert from_core.poll(30_000), f"no {kind.__name__} from the core"
+            msg = dec.decode(from_core.recv())
+            if isinstance(msg, kind):
+                return msg
+
+    try:
+        for rid in ("a", "b"):
+            to_core.send(enc.encode(ipc.Add(rid, [5, 6, 7], None, params)))
+        failed = until(ipc.StepFailed)
+        assert sorted(failed.request_ids) == ["a", "b"] and "planted failure" in failed.message
+        assert engine.unfinished_ids() == []
+        to_core.send(enc.encode(ipc.Add("c", [5, 6, 7], None, params)))
+        while True:
+            done = [o for o in until(ipc.Outputs).outputs if o["finished"]]
+            if done:
+                break
+        assert done[0]["request_id"] == "c" and len(done[0]["outputs"][0]["token_ids"]) == 3
+    finally:
+        to_core.send(enc.encode(ipc.Shutdown()))
+        thread.join(30)
+        for sock in (to_core, inbox, from_core, outbox):
+            sock.close(linger=0)
+        ctx.term()

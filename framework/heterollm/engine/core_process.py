@@ -108,8 +108,6 @@ class EngineCore:
     def __init__(self, engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:
         self.engine, self.inbox, self.outbox, self.parent_pid = engine, inbox, outbox, parent_pid
         self.enc, self.dec = ipc.encoder(), ipc.to_core_decoder()
-        self.live: set[str] = set()
-        """Admitted requests that have not finished or been aborted."""
         self.compiling: dict[str, tuple[Future, ipc.Add]] = {}
         """Requests waiting for their grammar to compile before admission, in arrival order."""
         self.aborted: list[str] = []
@@ -162,18 +160,14 @@ class EngineCore:
             raise
         except Exception as exc:
             logger.exception("engine step failed; failing the requests in flight")
-            failed = sorted(self.live)
+            failed = self.engine.unfinished_ids()
             for request_id in failed:
                 self.engine.abort(request_id)
                 self.sender.forget(request_id)
-            self.live.clear()
             # blocks registered when the failed step was scheduled (in-batch sharing) hold no K/V
             self.engine.kv.reset_prefix_cache()
             self._send(ipc.StepFailed(failed, f"the engine failed on this batch: {exc}"))
             return
-        for out in outputs:
-            if out.finished:
-                self.live.discard(out.request_id)
         now = time.monotonic()
         stats = None
         if now - self._stats_sent >= ipc.STATS_INTERVAL_S:
@@ -230,12 +224,10 @@ class EngineCore:
                 exc = RuntimeError(f"admitting the request failed: {exc}")
             self._send(ipc.Admitted(msg.request_id, ipc.Rejection.of(exc)))
             return
-        self.live.add(msg.request_id)
         self._send(ipc.Admitted(msg.request_id))
 
     def _abort(self, request_id: str) -> None:
         self.compiling.pop(request_id, None)
-        self.live.discard(request_id)
         self.sender.forget(request_id)
         if self.engine.is_unfinished(request_id):
             self.engine.abort(request_id)

@@ -362,6 +362,10 @@ class LLMEngine:
                 self.proposer.finish(child.request.request_id)
         self._finished(self._output(parent))
 
+    def unfinished_ids(self) -> list[str]:
+        """The requests admitted and neither finished nor aborted, in admission order."""
+        return list(self._parents)
+
     def is_unfinished(self, request_id: str) -> bool:
         """Whether `request_id` was admitted and has not finished or been aborted."""
         return request_id in self._parents
