@@ -51,18 +51,21 @@ class CoreAddresses:
 
 
 def build_engine(config: HeterollmConfig, dp_rank: int) -> LLMEngine:
-    """Load the replica, with this process's torch threads sized for `--dp_size` cores plus the API
-    server (a compiled step is specialized on the thread count, so `--enable_graph` sizes them first;
-    otherwise loading uses every core)."""
+    """Load the replica, with this process's torch threads sized for `--dp_size` replicas sharing the
+    host's cores (a compiled step is specialized on the thread count, so `--enable_graph` sizes them
+    first; otherwise loading uses every core). No core is kept for the API server: it is a process of
+    its own now, and mostly waits on sockets. Measured on 2 cores with this repo's client at C=16,
+    128 in / 64 out: 350.6 output tok/s with 2 threads here, 225.8 with 1 (the decode forward goes
+    from 40 ms to 22 ms; a preempted pool thread costs less than the idle core)."""
     from heterollm.plugins import resolve
 
     platform = resolve(config).platform
     dp = config.parallel.dp_size
     if config.execution.enable_graph:
-        platform.configure_threads(dp, keep_for_server=1)
+        platform.configure_threads(dp)
         return LLMEngine(config, dp_rank=dp_rank)
     engine = LLMEngine(config, dp_rank=dp_rank)
-    platform.configure_threads(dp, keep_for_server=1)
+    platform.configure_threads(dp)
     return engine
 
 
