@@ -70,9 +70,12 @@ def test_wint4_needs_group_multiple():
 def test_activation_falls_back_family_then_torch():
     """The cpu linear methods serve a plugin family that has none of its own; an op no family in
     the chain offers is unavailable, and asking for it names what is offered."""
+    from heterollm_cpu.fused import register_ops
+
+    register_ops()  # what a CPU launch does (the test then passes alone, not only after a launch)
     try:
         chosen = ops.activate("example", "cpu")
-        assert chosen["linear.wint4"] == "cpu" and chosen["rms_norm"] == "torch"
+        assert chosen["linear.wint4"] == "cpu" and chosen["rms_norm"] == "cpu" and chosen["fused_moe"] == "torch"
         assert isinstance(select_linear_method("wint8"), WeightOnlyInt8)
         ops.activate("example")
         assert select_linear_method(None) is None  # torch's F.linear

@@ -24,5 +24,5 @@ BACKEND = Backend(
                                                "shapes and never pads a batch",
         "kv_cache_dtype": KV_INT8,
     },
-    register_ops="heterollm_cpu.linear:register_ops",
+    register_ops="heterollm_cpu.fused:register_ops",
 )

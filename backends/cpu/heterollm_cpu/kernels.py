@@ -2,14 +2,16 @@
 
     python -m heterollm_cpu.kernels        # build (scripts/setup.sh runs this), then say where
 
-`csrc/paged_decode.cpp` becomes `torch.ops.heterollm_cpu.paged_decode` through
-torch.utils.cpp_extension (g++, `-O3 -march=native -ffast-math`: the build targets this CPU's vector units, exp from glibc's
+`csrc/paged_decode.cpp` becomes `torch.ops.heterollm_cpu.paged_decode`, and `csrc/fused_ops.cpp`
+the fused `rms_norm`, `silu_and_mul` and `rotary_embedding` (fused.py puts them in the op registry),
+through torch.utils.cpp_extension (g++, `-O3 -march=native -ffast-math`: the build targets this CPU's vector units, exp from glibc's
 libmvec).
 The library goes to `_build/<hash>/` next to this file (or under the user's cache when the package
 folder is read-only), where the hash covers the source, torch's version and the flags: an edited
 source or another torch is never served a stale library. Nothing is ever downloaded, and nothing
-is built at serving time: without a built library `available()` is False and attention.py runs
-its torch path (the same numbers, slower), after one log line saying how to build it.
+is built at serving time: without a built library `available()` is False, attention.py runs its
+torch path and the registry keeps the torch ops (the same numbers, slower), after one log line
+saying how to build it.
 HETEROLLM_CPU_KERNELS=0 turns the kernels off (benchmarks' A/B, a suspected kernel bug).
 """
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 logger = logging.getLogger("heterollm.cpu")
 
 NAME = "heterollm_cpu_kernels"
-SOURCES = [Path(__file__).parent / "csrc" / "paged_decode.cpp"]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "fused_ops.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 LDFLAGS = ["-fopenmp", "-lmvec"]
 _loaded: bool | None = None
@@ -61,15 +63,17 @@ def enabled() -> bool:
 
 
 def available() -> bool:
-    """Whether `torch.ops.heterollm_cpu.paged_decode` runs here (loads the built library once)."""
+    """Whether the kernels (`torch.ops.heterollm_cpu.paged_decode`, ...) run here (loads the built
+    library once)."""
     global _loaded
     if _loaded is None:
         _loaded = False
         path = library_path()
         if not enabled():
-            logger.info("CPU kernels off (HETEROLLM_CPU_KERNELS=0): attention runs its torch path")
+            logger.info("CPU kernels off (HETEROLLM_CPU_KERNELS=0): attention and the fused ops run their torch path")
         elif path is None:
-            logger.info("CPU kernels not built for this source and torch %s: attention runs its torch path "
+            logger.info("CPU kernels not built for this source and torch %s: attention and the fused ops run "
+                        "their torch path "
                         "(build them with `python -m heterollm_cpu.kernels`, as scripts/setup.sh does)",
                         torch.__version__)
         else:
@@ -81,10 +85,22 @@ def available() -> bool:
 
 
 def _register_fake() -> None:
-    """The op's shape rule, for torch.compile (the CPU graph runner traces through attention)."""
+    """The ops' shape rules, for torch.compile (the CPU graph runner traces through attention)."""
     @torch.library.register_fake("heterollm_cpu::paged_decode")
     def _(query, kv_cache, block_tables, seq_lens, scale):
         return torch.empty_like(query)
+
+    @torch.library.register_fake("heterollm_cpu::rms_norm")
+    def _(x, weight, eps):
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake("heterollm_cpu::silu_and_mul")
+    def _(gate, up):
+        return gate.new_empty(gate.shape)
+
+    @torch.library.register_fake("heterollm_cpu::rotary_embedding")
+    def _(x, cos, sin):
+        return x.new_empty(x.shape)
 
 
 def build(verbose: bool = False) -> Path:

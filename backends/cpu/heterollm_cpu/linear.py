@@ -184,7 +184,7 @@ class CheckpointFp8(QuantizedLinearMethod):
 
 
 def register_ops(config: Any = None) -> None:
-    """The CPU backend's `register_ops` (its descriptor names it): the linear methods, family `cpu`."""
+    """The linear methods, family `cpu` (the backend's `register_ops`, fused.py, calls this)."""
     for name, cls in (("none", OneDnnLinear), ("wint8", WeightOnlyInt8), ("wint4", WeightOnlyInt4)):
         ops.register(f"linear.{name}", family="cpu")(cls)
     for name, cls in (("gptq", CheckpointInt4), ("awq", CheckpointInt4), ("fp8", CheckpointFp8)):
