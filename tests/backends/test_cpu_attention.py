@@ -86,3 +86,101 @@ def test_kernel_refuses_shapes_it_cannot_serve():
     with pytest.raises(RuntimeError, match="same number of blocks"):
         torch.ops.heterollm_cpu.paged_decode(torch.zeros(2, 6, 16), cache, torch.zeros(3, dtype=torch.long),
                                              torch.tensor([1, 1]), 1.0)
+
+
+needs_prefill_kernel = pytest.mark.skipif(
+    not (kernels.available() and torch.ops.heterollm_cpu.paged_prefill_supported()),
+    reason="the C++ prefill kernel needs the built kernels and AVX512_BF16")
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_mixed_bf16_steps_through_the_prefill_kernel(head_dim, block_size, monkeypatch):
+    """The conformance kit's mixed steps at model-sized heads in bf16, where prefill chunks (with and
+    without cached context) go through the C++ prefill kernel: any read of an unwritten slot of the
+    NaN-filled cache would show."""
+    calls = []
+    real = torch.ops.heterollm_cpu.paged_prefill
+
+    class Spy:
+        def __call__(self, *args):
+            calls.append(args[4].tolist())
+            return real(*args)
+
+    monkeypatch.setattr(torch.ops.heterollm_cpu, "paged_prefill", Spy())
+    check_paged_attention(CpuPagedAttention(), torch.device("cpu"), block_size, steps=8, dtype=torch.bfloat16,
+                          head_dim=head_dim)
+    assert calls  # the first chunks of the kit's prompts (longer chunks over a context: the test below)
+
+
+def _prefill_reference(q, cache, tables, starts, ctx_lens, q_lens, scale):
+    """float64 causal attention of each chunk over its context and its own keys, read position by
+    position from the blocks: row t of a chunk sees keys 0 .. ctx + t."""
+    kv_heads, block_size = cache.shape[1], cache.shape[3]
+    group = q.shape[1] // kv_heads
+    out = []
+    for c in range(len(starts)):
+        total = int(ctx_lens[c] + q_lens[c])
+        pos = torch.arange(total)
+        k = cache[0][:, tables[c, pos // block_size], pos % block_size].double().repeat_interleave(group, 0)
+        v = cache[1][:, tables[c, pos // block_size], pos % block_size].double().repeat_interleave(group, 0)
+        rows = slice(int(starts[c]), int(starts[c] + q_lens[c]))
+        scores = q[rows].double().transpose(0, 1) @ k.transpose(1, 2) * scale  # (H, n, total)
+        causal = pos[None, :] <= (int(ctx_lens[c]) + torch.arange(int(q_lens[c])))[:, None]
+        out.append((rows, (scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v).transpose(0, 1)))
+    return out
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size, chunks", [
+    (9, 3, 64, 16, [(0, 128), (0, 37), (50, 20), (0, 1), (5, 17)]),  # SmolLM2's heads
+    (8, 2, 128, 3, [(0, 40), (7, 33)]),
+    (4, 4, 64, 1, [(0, 17), (100, 5)]),
+    (16, 1, 64, 128, [(0, 300)]),
+    (12, 2, 64, 5, [(3, 2), (0, 64), (31, 1)]),
+])
+def test_prefill_kernel_matches_a_float64_reference(heads, kv_heads, head_dim, block_size, chunks):
+    gen = torch.Generator().manual_seed(heads * 1000 + head_dim + block_size)
+    blocks_of = [(c + n + block_size - 1) // block_size for c, n in chunks]
+    num_blocks = sum(blocks_of) + 5
+    cache = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, generator=gen).to(torch.bfloat16)
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(chunks), max(blocks_of), dtype=torch.long)
+    used = 0
+    for c, n in enumerate(blocks_of):
+        tables[c, :n] = order[used:used + n]
+        used += n
+    q_lens = torch.tensor([n for _, n in chunks])
+    ctx_lens = torch.tensor([c for c, _ in chunks])
+    starts = torch.cumsum(q_lens, 0) - q_lens
+    qkv = torch.randn(int(q_lens.sum()), heads + 2 * kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    q = qkv[:, :heads]  # a strided view, as the decoder passes it
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16)
+    scale = head_dim ** -0.5
+    torch.ops.heterollm_cpu.paged_prefill(q, cache, starts, ctx_lens, q_lens, tables, scale, out)
+    want = _prefill_reference(q, cache, tables, starts, ctx_lens, q_lens, scale)
+    # bf16 probabilities times bf16 values, rounded to bf16: ~3 bf16 ulps of values of size ~1
+    for rows, ref in want:
+        torch.testing.assert_close(out[rows].double(), ref, atol=2e-2, rtol=2e-2)
+
+
+@needs_prefill_kernel
+def test_prefill_kernel_refuses_what_it_cannot_serve():
+    cache = torch.zeros(2, 2, 4, 8, 64, dtype=torch.bfloat16)
+    q = torch.zeros(3, 4, 64, dtype=torch.bfloat16)
+    chunk = (torch.tensor([0]), torch.tensor([0]), torch.tensor([3]), torch.tensor([[0]]))
+    torch.ops.heterollm_cpu.paged_prefill(q, cache, *chunk, 1.0, torch.empty_like(q))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.heterollm_cpu.paged_prefill(q.float(), cache, *chunk, 1.0, torch.empty_like(q).float())
+    with pytest.raises(RuntimeError, match="64 or 128"):
+        q32, c32 = torch.zeros(3, 4, 32, dtype=torch.bfloat16), torch.zeros(2, 2, 4, 8, 32, dtype=torch.bfloat16)
+        torch.ops.heterollm_cpu.paged_prefill(q32, c32, *chunk, 1.0, torch.empty_like(q32))
+    with pytest.raises(RuntimeError, match="block table is short"):
+        torch.ops.heterollm_cpu.paged_prefill(q, cache, chunk[0], torch.tensor([6]), *chunk[2:], 1.0,
+                                              torch.empty_like(q))
+    with pytest.raises(RuntimeError, match="outside the query"):
+        torch.ops.heterollm_cpu.paged_prefill(q, cache, chunk[0], chunk[1], torch.tensor([4]), chunk[3], 1.0,
+                                              torch.empty_like(q))
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        torch.ops.heterollm_cpu.paged_prefill(q, cache, *chunk[:3], torch.tensor([[9]]), 1.0, torch.empty_like(q))

@@ -11,7 +11,10 @@ kernel is built (kernels.py, by scripts/setup.sh), decodes of fp32 / bf16 models
 window, soft-capping or draft tree go through it instead: it reads each key and value once, straight
 from the blocks, where the gather above copies them first. Each prefill chunk
 attends over its cached context plus its own tokens through SDPA with a causal offset mask (a draft
-tree being verified: an ancestor mask among its new tokens). The
+tree being verified: an ancestor mask among its new tokens); in a bf16 model with head dim 64 or 128
+on a CPU with AVX512_BF16, every chunk without a draft tree, sliding window or soft-capping goes
+through the C++ prefill kernel in one call instead (flash-style over tiles of 16 keys read from the
+cache, bf16 dot-product instructions; 2.4-3x SDPA's speed at 128-512-token prompts, 1.6x at 2,048). The
 gather plans are built once per step in `build_metadata` and shared by every layer. A layer's sliding
 window masks the keys before it (decode bias, prefill mask); the cache still holds them. Capped
 scores (Gemma 2's tanh soft-capping) run prefill chunks through explicit matmuls instead of SDPA.
@@ -56,6 +59,9 @@ def _write_kv(kv_cache: torch.Tensor, fresh_blocks: torch.Tensor, slots: torch.T
 # whole on every step.
 torch.library.custom_op("heterollm_cpu::write_kv", _write_kv, mutates_args=("kv_cache",))
 
+
+PREFILL_HEAD_DIMS = (64, 128)
+"""Head dims the C++ prefill kernel takes (bf16 model and cache; others run SDPA)."""
 
 ROW_WISE_MAX_TOKENS = 16
 """Sequences adding at most this many tokens to a cached context attend as rows of the batched decode."""
@@ -117,6 +123,9 @@ class CpuAttentionMetadata(AttentionMetadata):
     prefills: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]] = field(default_factory=list)
     """(start, end, block ids covering positions 0..seq_len, causal mask (q, seq_len)); both None
     when the chunk has no cached context and attends to its own K/V."""
+    prefill_chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """The prefill entries without a draft tree, for the C++ prefill kernel: (starts, context lengths,
+    query lengths, block tables (C, W)); their keys are read from the cache after this step's write."""
     tree_positions: dict[int, torch.Tensor] = field(default_factory=dict)
     """For a prefill entry verifying a draft tree (AttentionInputs.tree_parents): the position of each
     of its keys (context, then each new token at its depth), which a sliding window is measured in."""
@@ -151,6 +160,8 @@ class CpuPagedAttention(AttentionBackend):
         self.kernel = kernels.available()
         """Whether the C++ decode kernel is loaded: asked here, once, not in `forward`, which the graph
         runner traces (the first lookup hashes the kernel's source, which torch.compile cannot trace)."""
+        self.prefill_kernel = self.kernel and bool(torch.ops.heterollm_cpu.paged_prefill_supported())
+        """Whether the C++ prefill kernel runs here (it needs AVX512_BF16)."""
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (2, num_kv_heads, num_blocks, block_size, head_dim)
@@ -220,6 +231,11 @@ class CpuPagedAttention(AttentionBackend):
                     meta.tree_positions[len(meta.prefills)] = torch.cat([torch.arange(ctx), ctx + depth]).to(device)
                 mask = mask.to(device)
             meta.prefills.append((s, s + int(q_lens[i]), blocks, mask))
+        plain = [i for i in (~is_decode & (q_lens > 0)).nonzero().squeeze(1).tolist() if trees[i] is None]
+        if plain:
+            idx = torch.tensor(plain)
+            meta.prefill_chunks = (starts[idx].to(device), ctx_lens[idx].to(device), q_lens[idx].to(device),
+                                   tables[idx].to(device))
         return meta
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -250,7 +266,14 @@ class CpuPagedAttention(AttentionBackend):
         if metadata.decode_rows is not None:
             rows = metadata.decode_rows
             out[rows] = decode(query[rows])
+        prefill_kernel = (self.prefill_kernel and metadata.prefill_chunks is not None and sliding_window is None
+                          and logit_softcap is None and query.dtype == kv_cache.dtype == torch.bfloat16
+                          and head_dim in PREFILL_HEAD_DIMS)
+        if prefill_kernel:  # every chunk without a draft tree, in one call
+            torch.ops.heterollm_cpu.paged_prefill(query, kv_cache, *metadata.prefill_chunks, scale, out)
         for n, (s, e, blocks, mask) in enumerate(metadata.prefills):
+            if prefill_kernel and n not in metadata.tree_positions:
+                continue
             if sliding_window is not None:
                 pos = metadata.tree_positions.get(n)
                 if pos is None:

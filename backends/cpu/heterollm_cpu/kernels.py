@@ -28,7 +28,8 @@ import torch
 logger = logging.getLogger("heterollm.cpu")
 
 NAME = "heterollm_cpu_kernels"
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "fused_ops.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "paged_prefill.cpp",
+                                                                 "fused_ops.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 LDFLAGS = ["-fopenmp", "-lmvec"]
 _loaded: bool | None = None

@@ -184,20 +184,22 @@ def test_attention_scratch_block_is_no_sequences_block(target):
 
 def check_paged_attention(backend, device: torch.device, block_size: int, steps: int = 10,
                           dtype: torch.dtype = torch.float32, sliding_window: int | None = None,
-                          logit_softcap: float | None = None) -> None:
+                          logit_softcap: float | None = None, head_dim: int = D) -> None:
     """Mixed steps (prefill, chunked prefill over cached context, decode; decode-only steps too) on
-    shuffled block tables of a NaN-filled cache of `dtype`, each output against the dense reference."""
+    shuffled block tables of a NaN-filled cache of `dtype`, each output against the dense reference.
+    `head_dim`: the kit's small default keeps it fast; a backend whose kernels take only model-sized
+    heads (64, 128) runs it at those too."""
     from heterollm.interfaces import AttentionInputs
 
     rng, gen = random.Random(block_size), torch.Generator().manual_seed(block_size)
     num_blocks = 160
-    cache = torch.full(backend.kv_cache_shape(num_blocks, block_size, KV, D), float("nan"), device=device,
+    cache = torch.full(backend.kv_cache_shape(num_blocks, block_size, KV, head_dim), float("nan"), device=device,
                        dtype=dtype)
     free = list(range(num_blocks))
     rng.shuffle(free)
-    seqs = [dict(plen=p, chunk=c, k=torch.zeros(0, KV, D), v=torch.zeros(0, KV, D), table=[])
+    seqs = [dict(plen=p, chunk=c, k=torch.zeros(0, KV, head_dim), v=torch.zeros(0, KV, head_dim), table=[])
             for p, c in [(5, 5), (17, 4), (1, 1), (33, 16), (2, 2)]]  # prefill (in chunks), then decode
-    scale = D ** -0.5
+    scale = head_dim ** -0.5
     for _ in range(steps):
         q_lens, ctx_lens = [], []
         for s in seqs:
@@ -211,11 +213,11 @@ def check_paged_attention(backend, device: torch.device, block_size: int, steps:
         meta = backend.build_metadata(inputs, device)
         check_metadata(meta, inputs)
         total = sum(q_lens)
-        q, k, v = (torch.randn(total, h, D, generator=gen).to(dtype) for h in (H, KV, KV))
+        q, k, v = (torch.randn(total, h, head_dim, generator=gen).to(dtype) for h in (H, KV, KV))
         extra = {name: value for name, value in (("sliding_window", sliding_window), ("logit_softcap", logit_softcap))
                  if value is not None}
         out = backend.forward(q.to(device), k.to(device), v.to(device), cache, meta, scale, **extra).cpu()
-        assert out.shape == (total, H, D) and out.dtype == dtype
+        assert out.shape == (total, H, head_dim) and out.dtype == dtype
         start = 0
         for s, n, ctx in zip(seqs, q_lens, ctx_lens):
             s["k"], s["v"] = torch.cat([s["k"], k[start:start + n]]), torch.cat([s["v"], v[start:start + n]])
