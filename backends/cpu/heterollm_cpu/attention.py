@@ -9,7 +9,8 @@ masked with -inf and the softmax runs in fp32. (For these shapes, 3 query rows p
 few hundred keys, torch's SDPA on CPU is 3-10x slower than two bmm calls.) Where the backend's C++
 kernel is built (kernels.py, by scripts/setup.sh), decodes of fp32 / bf16 models without a sliding
 window, soft-capping or draft tree go through it instead: it reads each key and value once, straight
-from the blocks, where the gather above copies them first. Each prefill chunk
+from the blocks, where the gather above copies them first (bf16 dot-product instructions for a bf16
+model where the CPU has them). Each prefill chunk
 attends over its cached context plus its own tokens through SDPA with a causal offset mask (a draft
 tree being verified: an ancestor mask among its new tokens); in a bf16 model with head dim 64 or 128
 on a CPU with AVX512_BF16, every chunk without a draft tree, sliding window or soft-capping goes

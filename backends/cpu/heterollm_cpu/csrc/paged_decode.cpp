@@ -6,7 +6,10 @@
 // query (R, H, D); kv_cache (2, KVH, NB, BS, D); block_tables (R * W,) int64, each row's W blocks
 // in order (flat, so a compiled caller never sees a dimension that may be 1); seq_lens (R,) int64,
 // the keys each row attends to (positions 0 .. len-1); -> (R, H, D).
-// Scores, softmax and the weighted sum run in fp32 whatever the storage dtype (fp32 or bf16).
+// Scores, softmax and the weighted sum accumulate in fp32 whatever the storage dtype (fp32 or bf16).
+// A bf16 query over a bf16 cache at head dim 64 or 128, on a CPU with AVX512_BF16, takes the
+// dot-product path (decode_rows_bf16): the probabilities are rounded to bf16 before they weight V,
+// as in the prefill kernel; every other combination widens to fp32 and uses FMA.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -18,6 +21,7 @@
 #include <immintrin.h>
 #endif
 #include <cmath>
+#include <type_traits>
 #include <limits>
 #include <vector>
 
@@ -172,12 +176,184 @@ void decode_rows(const Q* query, const KV* cache, const int64_t* tables, const i
   });
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// bf16 query and cache, head dim 64 or 128: both products on the bf16 dot-product instruction
+// (vdpbf16ps: 32 bf16 products summed pairwise into 16 fp32 lanes), as the prefill kernel does.
+// Scores: per query head, 16 keys' lane-wise partial sums, then one transposed reduction of the 16
+// vectors into the 16 scores (where the generic loop reduces each key's vector alone). Values: the
+// probabilities rounded to bf16, two keys at a time (their value rows interleaved word by word, so
+// each fp32 lane sums p_j v_j[d] + p_j+1 v_j+1[d]), the accumulators in registers for up to 16
+// vectors of (query head, 16 dims).
+
+inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
+
+// r[j] = sum of the 16 lanes of v[j]
+inline __m512 transpose_sum16(__m512* v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(z01, z23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// scores[g * stride + j] = scale * q_g . k_j for the n keys of one block (D = 32 * C dims)
+template <int C>
+inline void block_scores_bf16(const __m512bh* q, const uint16_t* keys, int64_t n, int64_t group, float scale,
+                              float* scores, int64_t stride) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  int64_t j0 = 0;
+  for (; j0 + 16 <= n; j0 += 16) {
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 acc[16];
+      for (int j = 0; j < 16; ++j) {
+        const uint16_t* k = keys + (j0 + j) * 32 * C;
+        acc[j] = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[g * C], as_bh(_mm512_loadu_si512(k)));
+        for (int c = 1; c < C; ++c) acc[j] = _mm512_dpbf16_ps(acc[j], q[g * C + c], as_bh(_mm512_loadu_si512(k + 32 * c)));
+      }
+      _mm512_storeu_ps(scores + g * stride + j0, _mm512_mul_ps(transpose_sum16(acc), sc));
+    }
+  }
+  for (int64_t j = j0; j < n; ++j) {  // the block's last keys, one at a time
+    const uint16_t* k = keys + j * 32 * C;
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[g * C], as_bh(_mm512_loadu_si512(k)));
+      for (int c = 1; c < C; ++c) acc = _mm512_dpbf16_ps(acc, q[g * C + c], as_bh(_mm512_loadu_si512(k + 32 * c)));
+      scores[g * stride + j] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+}
+
+// acc[g][2c] / acc[g][2c + 1] += the value rows of the block's n keys weighted by probs (bf16 pairs
+// per key pair, probs[g * pstride + j / 2]) for heads g0 .. g0 + GB; C: 32-dim chunks per row.
+// Lane e of 128-bit lane L of acc[g][2c] holds dim 32c + 8L + e, of acc[g][2c + 1] dim 32c + 8L + 4 + e.
+template <int C, int GB>
+inline void block_values_bf16(const uint32_t* probs, int64_t pstride, const uint16_t* values, int64_t n, int gb,
+                              __m512 (*acc)[2 * C]) {
+  for (int64_t j = 0; j < n; j += 2) {
+    __m512i pairs[2 * C];
+    for (int c = 0; c < C; ++c) {
+      const __m512i a = _mm512_loadu_si512(values + j * 32 * C + 32 * c);
+      const __m512i b = j + 1 < n ? _mm512_loadu_si512(values + (j + 1) * 32 * C + 32 * c) : _mm512_setzero_si512();
+      pairs[2 * c] = _mm512_unpacklo_epi16(a, b);
+      pairs[2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+    }
+    for (int g = 0; g < GB; ++g) {
+      if (g >= gb) break;
+      const __m512bh p = as_bh(_mm512_set1_epi32(static_cast<int>(probs[g * pstride + j / 2])));
+      for (int c = 0; c < 2 * C; ++c) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], p, as_bh(pairs[c]));
+    }
+  }
+}
+
+template <int C>
+void decode_rows_bf16(const uint16_t* query, const uint16_t* cache, const int64_t* tables, const int64_t* lens,
+                      uint16_t* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t num_blocks,
+                      int64_t block_size, int64_t width, int64_t max_len, float scale) {
+  constexpr int64_t dim = 32 * C;
+  constexpr int GB = 8 / C;  // heads per pass of the weighted sum: 2C vectors each, 16 accumulators
+  const int64_t group = heads / kv_heads;
+  const int64_t head_stride = num_blocks * block_size * dim;
+  const uint16_t* keys = cache;
+  const uint16_t* values = cache + kv_heads * head_stride;
+  const int64_t pstride = max_len + 1;  // pairs of bf16 probabilities: each block's own, an odd one padded
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512bh> q(group * C);
+    std::vector<float> scores(group * max_len), total(group);
+    std::vector<uint32_t> probs(group * pstride);
+    alignas(64) float lanes[2][16];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / kv_heads, h = item % kv_heads;
+      const int64_t len = lens[r];
+      const int64_t* table = tables + r * width;
+      for (int64_t g = 0; g < group; ++g)
+        for (int c = 0; c < C; ++c)
+          q[g * C + c] = as_bh(_mm512_loadu_si512(query + (r * heads + h * group + g) * dim + 32 * c));
+      for (int64_t start = 0; start < len; start += block_size) {
+        const uint16_t* block = keys + h * head_stride + table[start / block_size] * block_size * dim;
+        block_scores_bf16<C>(q.data(), block, std::min(block_size, len - start), group, scale,
+                             scores.data() + start, max_len);
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * max_len;
+        float peak = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : peak)
+        for (int64_t t = 0; t < len; ++t) peak = std::max(peak, sg[t]);
+#pragma omp simd
+        for (int64_t t = 0; t < len; ++t) sg[t] = std::exp(sg[t] - peak);
+        // the probabilities as bf16 pairs, block by block (a block's odd last key pairs with a zero);
+        // the sum is taken over the rounded values, the ones that weight V
+        uint16_t* pg = reinterpret_cast<uint16_t*>(probs.data() + g * pstride);
+        float sum = 0.f;
+        int64_t at = 0;
+        for (int64_t start = 0; start < len; start += block_size) {
+          const int64_t n = std::min(block_size, len - start);
+          for (int64_t t = 0; t < n; ++t) {
+            const c10::BFloat16 b(sg[start + t]);
+            pg[at + t] = b.x;
+            sum += static_cast<float>(b);
+          }
+          if (n % 2) pg[at + n] = 0;
+          at += n + n % 2;
+        }
+        total[g] = sum;
+      }
+      for (int64_t g0 = 0; g0 < group; g0 += GB) {
+        const int gb = static_cast<int>(std::min<int64_t>(GB, group - g0));
+        __m512 acc[GB][2 * C];
+        for (int g = 0; g < GB; ++g)
+          for (int c = 0; c < 2 * C; ++c) acc[g][c] = _mm512_setzero_ps();
+        int64_t at = 0;
+        for (int64_t start = 0; start < len; start += block_size) {
+          const int64_t n = std::min(block_size, len - start);
+          const uint16_t* block = values + h * head_stride + table[start / block_size] * block_size * dim;
+          block_values_bf16<C, GB>(probs.data() + g0 * pstride + at / 2, pstride, block, n, gb, acc);
+          at += n + n % 2;
+        }
+        for (int g = 0; g < gb; ++g) {
+          uint16_t* dst = out + (r * heads + h * group + g0 + g) * dim;
+          const float inv = 1.f / total[g0 + g];
+          for (int c = 0; c < C; ++c) {
+            _mm512_store_ps(lanes[0], acc[g][2 * c]);
+            _mm512_store_ps(lanes[1], acc[g][2 * c + 1]);
+            for (int half = 0; half < 2; ++half)
+              for (int lane = 0; lane < 16; ++lane)
+                dst[32 * c + 8 * (lane / 4) + 4 * half + lane % 4] = c10::BFloat16(lanes[half][lane] * inv).x;
+          }
+        }
+      }
+    }
+  });
+}
+#endif
+
 template <typename Q>
 void dispatch_kv(const torch::Tensor& query, const torch::Tensor& cache, const torch::Tensor& tables,
                  const torch::Tensor& lens, torch::Tensor& out, int64_t max_len, float scale) {
   const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t kv_heads = cache.size(1), num_blocks = cache.size(2), block_size = cache.size(3);
   const int64_t width = tables.size(0) / rows;
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  if (std::is_same<Q, c10::BFloat16>::value && cache.scalar_type() == torch::kBFloat16 && (dim == 64 || dim == 128)) {
+    auto* q = reinterpret_cast<const uint16_t*>(query.data_ptr());
+    auto* kv = reinterpret_cast<const uint16_t*>(cache.data_ptr());
+    auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+    if (dim == 64)
+      decode_rows_bf16<2>(q, kv, tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), o, rows, heads, kv_heads,
+                          num_blocks, block_size, width, max_len, scale);
+    else
+      decode_rows_bf16<4>(q, kv, tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), o, rows, heads, kv_heads,
+                          num_blocks, block_size, width, max_len, scale);
+    return;
+  }
+#endif
   if (cache.scalar_type() == torch::kBFloat16) {
     decode_rows<Q, c10::BFloat16>(query.data_ptr<Q>(), cache.data_ptr<c10::BFloat16>(), tables.data_ptr<int64_t>(),
                                   lens.data_ptr<int64_t>(), out.data_ptr<Q>(), rows, heads, kv_heads, num_blocks,
