@@ -222,3 +222,8 @@ ADMIT_ALL = {"kv_cache_ratio": 1.0, "static_decode_blocks": 0, "prefill_scheduli
              "max_num_partial_prefills": 1 << 20, "max_long_partial_prefills": 1 << 20}
 """Launch flags that turn the prefill admission limits off (scheduler/prefill_limits.py): tests that
 fill a tiny cache on purpose to make the scheduler preempt."""
+
+
+TRACED_FORWARD = {"aten::embedding", "aten::index_copy_"}
+"""Operators a profiler trace holds for every eager forward of a llama on the CPU backend, whatever
+kernels its linears, norms and activations use: the token embedding and each layer's KV-cache write."""

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import TRACED_FORWARD as FORWARD
 from heterollm import LLM, SamplingParams
 from heterollm.config import ConfigError
 from heterollm.plugins.resolver import LaunchError
@@ -18,7 +19,6 @@ from heterollm.scheduler.request import RequestRejected
 
 FLAGS = dict(dtype="float32", block_size=8, num_gpu_blocks_override=64, max_model_len=128)
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-FORWARD = {"aten::embedding", "aten::silu"}  # in every forward of a llama, whatever kernel its linears use
 
 
 def operators(path: str) -> set[str]:

@@ -91,6 +91,10 @@ def _register_fake() -> None:
     def _(query, kv_cache, block_tables, seq_lens, scale):
         return torch.empty_like(query)
 
+    @torch.library.register_fake("heterollm_cpu::paged_prefill")
+    def _(query, kv_cache, starts, ctx_lens, q_lens, block_tables, scale, out):
+        return None
+
     @torch.library.register_fake("heterollm_cpu::rms_norm")
     def _(x, weight, eps):
         return x.new_empty(x.shape)
