@@ -35,9 +35,12 @@ LDFLAGS = ["-fopenmp", "-lmvec"]
 _loaded: bool | None = None
 
 
+HEADERS = [Path(__file__).parent / "csrc" / "bf16_dot.h"]
+
+
 def _key() -> str:
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in SOURCES + HEADERS:
         h.update(src.read_bytes())
     h.update(torch.__version__.encode())
     h.update(" ".join(CFLAGS + LDFLAGS).encode())

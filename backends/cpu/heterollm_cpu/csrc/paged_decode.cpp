@@ -11,6 +11,7 @@
 // dot-product path (decode_rows_bf16): the probabilities are rounded to bf16 before they weight V,
 // as in the prefill kernel; every other combination widens to fp32 and uses FMA.
 #include <torch/extension.h>
+#include "bf16_dot.h"
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
@@ -185,7 +186,7 @@ void decode_rows(const Q* query, const KV* cache, const int64_t* tables, const i
 // each fp32 lane sums p_j v_j[d] + p_j+1 v_j+1[d]), the accumulators in registers for up to 16
 // vectors of (query head, 16 dims).
 
-inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
+using heterollm_cpu::as_bh;
 
 // r[j] = sum of the 16 lanes of v[j]
 inline __m512 transpose_sum16(__m512* v) {

@@ -11,6 +11,7 @@
 // Scores, the softmax and the sums accumulate in fp32; the probabilities are rounded to bf16 for
 // the product with V (as torch's CPU flash attention does for bf16).
 #include <torch/extension.h>
+#include "bf16_dot.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -32,7 +33,7 @@ namespace {
 
 constexpr int kTile = 16;  // keys per tile, query rows per block
 
-inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
+using heterollm_cpu::as_bh;
 
 // -ffast-math may assume no infinities: "no key yet" and masked scores are this finite sentinel
 constexpr float kNone = -1e30f;
