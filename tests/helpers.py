@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import socket
 from pathlib import Path
 
 import torch
@@ -227,3 +228,25 @@ fill a tiny cache on purpose to make the scheduler preempt."""
 TRACED_FORWARD = {"aten::embedding", "aten::index_copy_"}
 """Operators a profiler trace holds for every eager forward of a llama on the CPU backend, whatever
 kernels its linears, norms and activations use: the token embedding and each layer's KV-cache write."""
+
+
+def free_port_block(n: int) -> int:
+    """A base port with n consecutive ports free on 127.0.0.1 (probed by binding them)."""
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        held = []
+        try:
+            for port in range(base, min(base + n, 65536)):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", port))
+            if base + n <= 65536:
+                return base
+        except OSError:
+            pass
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")

@@ -13,7 +13,7 @@ import zmq
 from heterollm.config.cache import parse_kv_events_config
 from heterollm.kv_cache import events as ev
 
-from test_kv_events import free_port_block
+from helpers import free_port_block
 
 LOW = 0x0123456789ABCDEF
 H = (0xFEDC << 64) | LOW  # a 128-bit hash; the wire carries LOW

@@ -5,7 +5,6 @@ import json
 import os
 import queue
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ import msgspec
 import pytest
 import zmq
 
+from helpers import free_port_block
 from heterollm.config import ConfigError, load_config
 from heterollm.config.cache import kv_events_port_problems, parse_kv_events_config
 from heterollm.kv_cache import events as ev
@@ -89,30 +89,6 @@ class LegacyBatch(EventBatch):
 
 
 DECODE = msgspec.msgpack.Decoder(KVEventBatch)
-
-
-# --- helpers ---
-
-def free_port_block(n: int) -> int:
-    """A base port with n consecutive ports free on 127.0.0.1 (probed by binding them)."""
-    for _ in range(100):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        held = []
-        try:
-            for port in range(base, min(base + n, 65536)):
-                s = socket.socket()
-                held.append(s)
-                s.bind(("127.0.0.1", port))
-            if base + n <= 65536:
-                return base
-        except OSError:
-            pass
-        finally:
-            for s in held:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import MODEL, free_port, make_engine, serving, spawned_children
+from helpers import free_port_block
 from heterollm.config import ConfigError, load_config
 from heterollm.engine import core_ipc as ipc
 from heterollm.engine.core_client import EngineCoreClient, start_engine_cores
@@ -219,7 +220,7 @@ def test_an_unanswering_core_times_out_with_rpc_channel_timeout_ms(tiny_llama):
 
 
 def test_engine_worker_queue_port_puts_the_core_on_tcp(tiny_llama):
-    port = free_port()
+    port = free_port_block(2)  # the core takes P and P + 1
     cfg = core_config(tiny_llama, engine_worker_queue_port=port)
     client = EngineCoreClient(cfg, 0)
     try:
