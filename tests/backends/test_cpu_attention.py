@@ -6,7 +6,7 @@ torch path it falls back to; and the kernel alone against a float64 reference.""
 import pytest
 import torch
 
-from heterollm.testing.conformance import check_paged_attention
+from heterollm.testing.conformance import check_mla_attention, check_paged_attention
 from heterollm_cpu import kernels
 from heterollm_cpu.attention import CpuPagedAttention
 
@@ -28,6 +28,13 @@ def test_mixed_steps_match_dense_reference(block_size, decode_path):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_mixed_steps_in_the_model_dtypes(dtype, decode_path):
     check_paged_attention(CpuPagedAttention(), torch.device("cpu"), 4, steps=8, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+def test_mla_mixed_steps_match_dense_reference(block_size, dtype):
+    """MLA's latent attention (one latent per token, the value inside it) over the kit's mixed steps."""
+    check_mla_attention(CpuPagedAttention(), torch.device("cpu"), block_size, steps=12, dtype=dtype)
 
 
 def test_the_kernels_are_built_here():

@@ -55,10 +55,19 @@ def _write_kv(kv_cache: torch.Tensor, fresh_blocks: torch.Tensor, slots: torch.T
     kv_cache[1].view(num_kv_heads, -1, head_dim).index_copy_(1, slots, value.transpose(0, 1).to(kv_cache.dtype))
 
 
+def _write_latent(kv_cache: torch.Tensor, fresh_blocks: torch.Tensor, slots: torch.Tensor,
+                  latent: torch.Tensor) -> None:
+    """MLA: zero the step's fresh blocks, then store its new latents (T, D) in their slots, in place."""
+    if len(fresh_blocks):
+        kv_cache.index_fill_(2, fresh_blocks, 0)
+    kv_cache[0].view(1, -1, kv_cache.shape[-1]).index_copy_(1, slots, latent.unsqueeze(0).to(kv_cache.dtype))
+
+
 # The same write as an op torch.compile treats as one in-place call (the CPU graph runner): traced
 # as plain index_copy_ calls, the cache (a graph input) would be written functionally, i.e. copied
 # whole on every step.
 torch.library.custom_op("heterollm_cpu::write_kv", _write_kv, mutates_args=("kv_cache",))
+torch.library.custom_op("heterollm_cpu::write_latent", _write_latent, mutates_args=("kv_cache",))
 
 
 PREFILL_HEAD_DIMS = (64, 128)
@@ -157,6 +166,10 @@ class CpuPagedAttention(AttentionBackend):
     def supports_tree_attention(cls) -> bool:
         return True
 
+    @classmethod
+    def supports_mla(cls) -> bool:
+        return True
+
     def __init__(self) -> None:
         self.kernel = kernels.available()
         """Whether the C++ decode kernel is loaded: asked here, once, not in `forward`, which the graph
@@ -166,6 +179,11 @@ class CpuPagedAttention(AttentionBackend):
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (2, num_kv_heads, num_blocks, block_size, head_dim)
+
+    def mla_cache_shape(self, num_blocks: int, block_size: int, latent_dim: int) -> tuple[int, ...]:
+        """(1, 1, num_blocks, block_size, latent_dim): the K plane of one KV head, so the gather plans,
+        the block zeroing and the graph runner's dynamic block dimension are those of `kv_cache_shape`."""
+        return (1, 1, num_blocks, block_size, latent_dim)
 
     def build_metadata(self, inputs: AttentionInputs, device: torch.device) -> CpuAttentionMetadata:
         bs = inputs.block_size
@@ -296,6 +314,41 @@ class CpuPagedAttention(AttentionBackend):
             o = F.scaled_dot_product_attention(q, k.unsqueeze(0).to(q.dtype), v.unsqueeze(0).to(q.dtype),
                                                attn_mask=mask, is_causal=mask is None, scale=scale,
                                                enable_gqa=True)
+            out[s:e] = o.squeeze(0).transpose(0, 1)
+        return out
+
+    def forward_mla(self, query: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,
+                    metadata: CpuAttentionMetadata, scale: float, value_dim: int) -> torch.Tensor:
+        """Every head attends to the one latent per token (MQA with the value inside the key): decodes
+        batched with two matmuls over their gathered latents, prefill chunks through SDPA with the
+        latent as key and its first `value_dim` features as value."""
+        if torch.compiler.is_compiling():  # one opaque in-place op: a compiled step must not copy the cache
+            torch.ops.heterollm_cpu.write_latent(kv_cache, metadata.fresh_blocks, metadata.slot_mapping, latent)
+        else:
+            _write_latent(kv_cache, metadata.fresh_blocks, metadata.slot_mapping, latent)
+        latent_dim = kv_cache.shape[-1]
+
+        def decode(q: torch.Tensor) -> torch.Tensor:
+            b, length = q.shape[0], metadata.decode_bias.shape[-1]
+            keys = kv_cache[0].index_select(1, metadata.decode_blocks).view(b, length, latent_dim)
+            scores = torch.matmul(q.to(keys.dtype), keys.transpose(1, 2)).float().mul_(scale)  # (B, H, L)
+            probs = scores.add_(metadata.decode_bias[0]).softmax(-1).to(keys.dtype)
+            return torch.matmul(probs, keys[..., :value_dim]).to(query.dtype)
+
+        if metadata.all_decode:
+            return decode(query)
+        out = query.new_empty(query.shape[0], query.shape[1], value_dim)
+        if metadata.decode_rows is not None:
+            out[metadata.decode_rows] = decode(query[metadata.decode_rows])
+        for s, e, blocks, mask in metadata.prefills:
+            q = query[s:e].transpose(0, 1).unsqueeze(0)  # (1, H, q, D)
+            if blocks is None:  # no cached context: the chunk's own latents, plain causal
+                keys = latent[s:e].to(q.dtype)
+            else:
+                keys = kv_cache[0, 0].index_select(0, blocks).view(-1, latent_dim)[:mask.shape[1]].to(q.dtype)
+            keys = keys.view(1, 1, -1, latent_dim)
+            o = F.scaled_dot_product_attention(q, keys, keys[..., :value_dim], attn_mask=mask, is_causal=mask is None,
+                                               scale=scale, enable_gqa=True)
             out[s:e] = o.squeeze(0).transpose(0, 1)
         return out
 

@@ -125,6 +125,32 @@ class AttentionBackend(Component):
         default): such a model is refused at launch with that reason."""
         return False
 
+    @classmethod
+    def supports_mla(cls) -> bool:
+        """Whether `mla_cache_shape` and `forward_mla` are implemented: multi-head latent attention
+        (DeepSeek-V2 / V3, Kimi-K2) with its compressed cache. False (the default): such a model is
+        refused at launch with that reason."""
+        return False
+
+    def mla_cache_shape(self, num_blocks: int, block_size: int, latent_dim: int) -> tuple[int, ...]:
+        """Shape of one layer's latent cache (only where `supports_mla()`): `latent_dim` values per
+        token (the normalized compressed KV, then the rotated shared key part), no heads, no V plane."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement MLA attention")
+
+    def forward_mla(self, query: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,
+                    metadata: AttentionMetadata, scale: float, value_dim: int) -> torch.Tensor:
+        """Causal paged attention over a latent cache, in the absorbed form: every query head attends
+        to one shared key per token, the token's latent, and reads its first `value_dim` features as
+        the value (only where `supports_mla()`).
+
+        query: (num_tokens, num_heads, latent_dim), the heads' queries already mapped into the latent
+        space; latent: (num_tokens, latent_dim), written to the step's slots first (the same
+        ordering rule as `forward`); kv_cache: this layer's tensor of `mla_cache_shape`. Returns
+        (num_tokens, num_heads, value_dim): softmax(scale * q . latent) @ latent[:, :value_dim] over
+        each token's causal context, as `forward` computes it (draft trees included where
+        `supports_tree_attention()`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement MLA attention")
+
     @abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float, sliding_window: int | None = None,

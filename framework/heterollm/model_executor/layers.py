@@ -31,6 +31,22 @@ def _shard_loader(dim: int, pctx: ParallelContext):
     return load
 
 
+class ReplicatedLinear(LinearBase):
+    """y = x W^T + b with the whole W on every rank (MLA's down-projections into its latents)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = _copy
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = _copy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
+
+
 class ColumnParallelLinear(LinearBase):
     """y = x W^T + b with W split by output rows; the output stays sharded."""
 
@@ -224,3 +240,27 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.metadata, self.scale, **self.options)
+
+
+class MlaAttention(nn.Module):
+    """Multi-head latent attention through the backend's `forward_mla` (the launch checked that it
+    `supports_mla()`): the heads' queries, already in the latent space, over one cached latent per
+    token; returns each head's attention-weighted latent, (tokens, heads, value_dim)."""
+
+    def __init__(self, layer_idx: int, num_heads: int, value_dim: int, scale: float) -> None:
+        super().__init__()
+        self.layer_idx, self.num_heads, self.value_dim, self.scale = layer_idx, num_heads, value_dim, scale
+
+    def forward(self, query: torch.Tensor, latent: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return ctx.backend.forward_mla(query, latent, ctx.kv_caches[self.layer_idx], ctx.metadata, self.scale,
+                                       self.value_dim)
+
+
+def cache_layout(model: Any, backend: Any, num_blocks: int, block_size: int) -> tuple[int, tuple[int, ...], int]:
+    """(layers, one layer's cache shape, cached values per token and layer) of `model` on `backend`:
+    K and V per KV head, or one latent per token where the model sets `kv_latent_dim` (MLA)."""
+    layers, kv_heads, head_dim = model.kv_geometry
+    latent = getattr(model, "kv_latent_dim", None)
+    if latent:
+        return layers, backend.mla_cache_shape(num_blocks, block_size, latent), latent
+    return layers, backend.kv_cache_shape(num_blocks, block_size, kv_heads, head_dim), 2 * kv_heads * head_dim

@@ -30,7 +30,8 @@ def get_model_class(selection: Selection, architectures: Sequence[str], where: s
 
 def check_model_support(selection: Selection, hf_config: Any) -> None:
     """Raise a LaunchError when the selected attention backend cannot run this checkpoint faithfully:
-    a sliding window or capped attention scores it does not honour would silently change answers."""
+    a sliding window or capped attention scores it does not honour would silently change answers,
+    and latent attention (MLA) it does not implement could not run at all."""
     from heterollm.model_executor.layers import sliding_window
     from heterollm.plugins.resolver import LaunchError
 
@@ -48,5 +49,14 @@ def check_model_support(selection: Selection, hf_config: Any) -> None:
         reasons.append(f"--model: the checkpoint caps attention scores (attn_logit_softcapping={softcap}), which "
                        f"{backend} does not (supports_logit_softcap() is False); choose an attention family "
                        f"that does, e.g. the CPU backend's")
+    if is_mla_config(hf_config) and not attention.obj.supports_mla():
+        reasons.append(f"--model: the checkpoint uses multi-head latent attention (kv_lora_rank="
+                       f"{hf_config.kv_lora_rank}), which {backend} does not implement (supports_mla() is "
+                       f"False); choose an attention family that does, e.g. the CPU backend's")
     if reasons:
         raise LaunchError(reasons)
+
+
+def is_mla_config(hf_config: Any) -> bool:
+    """A DeepSeek-V2 / V3-style checkpoint: its attention caches a compressed latent per token."""
+    return bool(getattr(hf_config, "kv_lora_rank", None)) and hasattr(hf_config, "qk_rope_head_dim")

@@ -19,6 +19,7 @@ from heterollm.model_executor import ops
 from heterollm.model_executor.linear_method import (model_bytes, prepare_linears, repack_after_reload,
                                                      select_linear_method, unpack_for_reload)
 from heterollm.model_executor.checkpoint_slice import ReadStats
+from heterollm.model_executor.layers import cache_layout
 from heterollm.model_executor.loader import ModelSource, iter_weights
 from heterollm.model_executor.moe import prepare_experts
 from heterollm.model_executor.parallel import ParallelContext
@@ -256,8 +257,8 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         """Per block of the cache: the target's K/V, plus a draft model's when one runs."""
-        layers, kv_heads, head_dim = self.model.kv_geometry
-        own = layers * 2 * self.block_size * kv_heads * head_dim * torch.empty((), dtype=self.dtype).element_size()
+        layers, _, per_token = cache_layout(self.model, self.attn_backend, 1, self.block_size)
+        own = layers * self.block_size * per_token * torch.empty((), dtype=self.dtype).element_size()
         return own + (self.drafter.kv_bytes_per_block() if self.drafter is not None else 0)
 
     def activation_peak_bytes(self, num_tokens: int) -> int:
@@ -283,8 +284,7 @@ class ModelRunner:
         """Allocate the caches, then capture the decode graphs (`--enable_graph`), all of them now,
         before any request. A failed capture turns graphs off with a warning: the engine serves
         eagerly."""
-        layers, kv_heads, head_dim = self.model.kv_geometry
-        shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, kv_heads, head_dim)
+        layers, shape, _ = cache_layout(self.model, self.attn_backend, num_blocks, self.block_size)
         # empty, not zeros: pages are committed as blocks are first written; backends never read
         # a slot that has not been written for the sequence reading it
         try:

@@ -10,7 +10,8 @@ Checks (each names the component it exercises):
   - attention: paged attention over mixed batches (prefill, chunked prefill over cached context,
     decode) on shuffled block tables of a NaN-filled cache, against a float64 dense reference, for
     several block sizes, and with a sliding window and capped scores where the backend supports
-    them; the metadata's declared fields (what graph runners read) match the step;
+    them, and MLA's latent attention (`forward_mla`) where it implements it; the metadata's
+    declared fields (what graph runners read) match the step;
     a scratch block, if the layout has one, is no sequence's block;
   - dtypes: every dtype the platform says it supports (`supports_dtype`) runs that attention
     within the dtype's tolerance, and `--dtype auto` never picks one it does not support;
@@ -182,6 +183,31 @@ def test_attention_scratch_block_is_no_sequences_block(target):
     check_scratch_block(selection.component("attention")())
 
 
+def _mixed_steps(backend, device: torch.device, block_size: int, steps: int):
+    """The kit's mixed steps: five sequences on shuffled blocks of a 160-block cache (prefill in chunks,
+    then decode; decode-only steps too). Yields (query lens, context lens, checked metadata)."""
+    from heterollm.interfaces import AttentionInputs
+
+    rng = random.Random(block_size)
+    free = list(range(160))
+    rng.shuffle(free)
+    seqs = [dict(plen=p, chunk=c, ctx=0, table=[]) for p, c in [(5, 5), (17, 4), (1, 1), (33, 16), (2, 2)]]
+    for _ in range(steps):
+        q_lens, ctx_lens = [], []
+        for s in seqs:
+            ctx = s["ctx"]
+            n = min(s["chunk"], s["plen"] - ctx) if ctx < s["plen"] else 1
+            while len(s["table"]) * block_size < ctx + n:
+                s["table"].append(free.pop())
+            q_lens.append(n)
+            ctx_lens.append(ctx)
+            s["ctx"] = ctx + n
+        inputs = AttentionInputs(q_lens, ctx_lens, [list(s["table"]) for s in seqs], block_size)
+        meta = backend.build_metadata(inputs, device)
+        check_metadata(meta, inputs)
+        yield q_lens, ctx_lens, meta
+
+
 def check_paged_attention(backend, device: torch.device, block_size: int, steps: int = 10,
                           dtype: torch.dtype = torch.float32, sliding_window: int | None = None,
                           logit_softcap: float | None = None, head_dim: int = D) -> None:
@@ -189,29 +215,12 @@ def check_paged_attention(backend, device: torch.device, block_size: int, steps:
     shuffled block tables of a NaN-filled cache of `dtype`, each output against the dense reference.
     `head_dim`: the kit's small default keeps it fast; a backend whose kernels take only model-sized
     heads (64, 128) runs it at those too."""
-    from heterollm.interfaces import AttentionInputs
-
-    rng, gen = random.Random(block_size), torch.Generator().manual_seed(block_size)
-    num_blocks = 160
-    cache = torch.full(backend.kv_cache_shape(num_blocks, block_size, KV, head_dim), float("nan"), device=device,
+    gen = torch.Generator().manual_seed(block_size)
+    cache = torch.full(backend.kv_cache_shape(160, block_size, KV, head_dim), float("nan"), device=device,
                        dtype=dtype)
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    seqs = [dict(plen=p, chunk=c, k=torch.zeros(0, KV, head_dim), v=torch.zeros(0, KV, head_dim), table=[])
-            for p, c in [(5, 5), (17, 4), (1, 1), (33, 16), (2, 2)]]  # prefill (in chunks), then decode
+    ks, vs = [torch.zeros(0, KV, head_dim)] * 5, [torch.zeros(0, KV, head_dim)] * 5
     scale = head_dim ** -0.5
-    for _ in range(steps):
-        q_lens, ctx_lens = [], []
-        for s in seqs:
-            ctx = s["k"].shape[0]
-            n = min(s["chunk"], s["plen"] - ctx) if ctx < s["plen"] else 1
-            while len(s["table"]) * block_size < ctx + n:
-                s["table"].append(free.pop())
-            q_lens.append(n)
-            ctx_lens.append(ctx)
-        inputs = AttentionInputs(q_lens, ctx_lens, [list(s["table"]) for s in seqs], block_size)
-        meta = backend.build_metadata(inputs, device)
-        check_metadata(meta, inputs)
+    for q_lens, ctx_lens, meta in _mixed_steps(backend, device, block_size, steps):
         total = sum(q_lens)
         q, k, v = (torch.randn(total, h, head_dim, generator=gen).to(dtype) for h in (H, KV, KV))
         extra = {name: value for name, value in (("sliding_window", sliding_window), ("logit_softcap", logit_softcap))
@@ -219,13 +228,58 @@ def check_paged_attention(backend, device: torch.device, block_size: int, steps:
         out = backend.forward(q.to(device), k.to(device), v.to(device), cache, meta, scale, **extra).cpu()
         assert out.shape == (total, H, head_dim) and out.dtype == dtype
         start = 0
-        for s, n, ctx in zip(seqs, q_lens, ctx_lens):
-            s["k"], s["v"] = torch.cat([s["k"], k[start:start + n]]), torch.cat([s["v"], v[start:start + n]])
-            want = dense_reference(q[start:start + n], s["k"], s["v"], ctx, scale, sliding_window,
+        for i, (n, ctx) in enumerate(zip(q_lens, ctx_lens)):
+            ks[i], vs[i] = torch.cat([ks[i], k[start:start + n]]), torch.cat([vs[i], v[start:start + n]])
+            want = dense_reference(q[start:start + n], ks[i], vs[i], ctx, scale, sliding_window,
                                    logit_softcap).float()
             tol = TOLERANCE[dtype]
             torch.testing.assert_close(out[start:start + n].float(), want, atol=tol, rtol=tol)
             start += n
+
+
+MLA_LATENT, MLA_VALUE = 24, 16
+"""The kit's latent (compressed KV + shared rotary key) and value sizes for MLA."""
+
+
+def mla_reference(q, latents, ctx, scale, value_dim):
+    """q (n, H, L) at positions ctx..ctx+n-1 over one sequence's latents (ctx+n, L), in float64: every
+    head attends to the latents and reads their first `value_dim` features."""
+    q, k = q.double(), latents.double()
+    scores = torch.einsum("qhd,kd->hqk", q, k) * scale
+    causal = torch.arange(k.shape[0])[None, :] <= torch.arange(ctx, ctx + q.shape[0])[:, None]
+    return torch.einsum("hqk,kd->qhd", scores.masked_fill(~causal, float("-inf")).softmax(-1), k[:, :value_dim])
+
+
+def check_mla_attention(backend, device: torch.device, block_size: int, steps: int = 10,
+                        dtype: torch.dtype = torch.float32) -> None:
+    """`forward_mla` over the kit's mixed steps on a NaN-filled latent cache, against the float64
+    reference."""
+    gen = torch.Generator().manual_seed(block_size)
+    cache = torch.full(backend.mla_cache_shape(160, block_size, MLA_LATENT), float("nan"), device=device, dtype=dtype)
+    latents = [torch.zeros(0, MLA_LATENT)] * 5
+    scale = 0.3
+    for q_lens, ctx_lens, meta in _mixed_steps(backend, device, block_size, steps):
+        total = sum(q_lens)
+        q = torch.randn(total, H, MLA_LATENT, generator=gen).to(dtype)
+        latent = torch.randn(total, MLA_LATENT, generator=gen).to(dtype)
+        out = backend.forward_mla(q.to(device), latent.to(device), cache, meta, scale, MLA_VALUE).cpu()
+        assert out.shape == (total, H, MLA_VALUE) and out.dtype == dtype
+        start = 0
+        for i, (n, ctx) in enumerate(zip(q_lens, ctx_lens)):
+            latents[i] = torch.cat([latents[i], latent[start:start + n]])
+            want = mla_reference(q[start:start + n], latents[i], ctx, scale, MLA_VALUE).float()
+            tol = TOLERANCE[dtype]
+            torch.testing.assert_close(out[start:start + n].float(), want, atol=tol, rtol=tol)
+            start += n
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_mla_attention_matches_dense_reference(target, block_size):
+    _, selection = target
+    backend = selection.component("attention")
+    if not backend.supports_mla():
+        pytest.skip(f"{backend.__name__} does not implement MLA attention (a launch refuses such models)")
+    check_mla_attention(backend(), torch.device(selection.platform.device_type), block_size)
 
 
 # -- dtypes ----------------------------------------------------------------------------------------
