@@ -32,6 +32,19 @@ MOE_FAMILIES = {  # mixture-of-experts families: tests/models/test_moe.py (4-8 e
                    "norm_topk_prob": True}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}),
+    # MLA (a latent of 24 + 8 per token; every head its own K/V, as transformers expands them), a dense
+    # first layer, then softmax greedy routing (V2) or sigmoid group-limited routing with the
+    # correction bias (V3), one shared expert
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                    {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+                     "kv_lora_rank": 24, "q_lora_rank": None, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                     "v_head_dim": 16, "num_key_value_heads": 4, "first_k_dense_replace": 1,
+                     "topk_method": "greedy", "routed_scaling_factor": 1.0}),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+                     "n_group": 4, "topk_group": 2, "kv_lora_rank": 24, "q_lora_rank": 32, "qk_nope_head_dim": 16,
+                     "qk_rope_head_dim": 8, "v_head_dim": 16, "num_key_value_heads": 4, "first_k_dense_replace": 1,
+                     "routed_scaling_factor": 2.5, "norm_topk_prob": True}),
 }
 
 
@@ -72,6 +85,9 @@ def build_tiny_model(folder: Path, family: str, seed: int = 0, head: str = "caus
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.08)
+        for name, b in model.named_buffers():  # DeepSeek-V3's routing correction: zeros would hide it
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.05)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     tok.save_pretrained(folder)

@@ -67,6 +67,14 @@ def test_wint4_needs_group_multiple():
         WeightOnlyInt4().prepare(torch.randn(8, 40))
 
 
+def test_wint4_names_output_rows_the_kernel_cannot_pack():
+    """torch's int4 packing takes rows in sixteens: a layer of 40 (a tiny MLA latent) is refused with
+    its size, not a kernel RuntimeError."""
+    with pytest.raises(ValueError, match="wint4: out_features 40 is not a multiple of 16"):
+        WeightOnlyInt4().prepare(torch.randn(40, 64))
+    WeightOnlyInt4().prepare(torch.randn(48, 64))
+
+
 def test_activation_falls_back_family_then_torch():
     """The cpu linear methods serve a plugin family that has none of its own; an op no family in
     the chain offers is unavailable, and asking for it names what is offered."""

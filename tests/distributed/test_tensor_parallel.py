@@ -1,5 +1,5 @@
 """Tensor parallelism on CPU (gloo): one spawned worker process per rank. Greedy tokens with
-tp_size=2 equal tp_size=1 for every model family (a mixture-of-experts one included), with K/V heads split or replicated; shapes that
+tp_size=2 equal tp_size=1 for every model family (a mixture-of-experts one and DeepSeek's MLA included), with K/V heads split or replicated; shapes that
 cannot split fail with a message naming the shape; --random_seed makes sampled text repeatable; a
 worker that dies fails the step, never hangs."""
 from __future__ import annotations
@@ -39,7 +39,11 @@ def run(folder, **flags):
     # each expert's and the shared expert's intermediate dimension split, one all-reduce per block; a
     # dense layer too. One MoE family: the three share the sharded experts (test_moe.py loads each's shards)
     ("qwen2_moe", {"mlp_only_layers": [1]}),
-], ids=["llama", "qwen2", "qwen3", "llama-kv-replicated", "phi3", "glm4", "gemma2", "gemma3", "qwen2-moe"])
+    # MLA: heads split (q_b_proj, kv_b_proj rows, o_proj columns), the latent and its cache replicated;
+    # a dense first layer, then grouped sigmoid routing over the split experts and the shared expert
+    ("deepseek_v3", {}),
+], ids=["llama", "qwen2", "qwen3", "llama-kv-replicated", "phi3", "glm4", "gemma2", "gemma3", "qwen2-moe",
+        "deepseek-v3"])
 def test_tp2_equals_tp1(tmp_path, family, shape):
     folder = build_tiny_model(tmp_path / family, family, **shape)
     tokens1, lps1 = run(folder)

@@ -110,6 +110,8 @@ class WeightOnlyInt4(LinearMethod):
         gs = self.group_size
         if k % gs:
             raise ValueError(f"--quantization=wint4: in_features {k} is not a multiple of the group size {gs}")
+        if n % 16:  # torch's int4 CPU packing takes output rows in sixteens
+            raise ValueError(f"--quantization=wint4: out_features {n} is not a multiple of 16")
         w = weight.float().view(n, k // gs, gs)
         low, high = w.amin(-1), w.amax(-1)
         scale = ((high - low) / 15).clamp(min=1e-12)

@@ -120,6 +120,23 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool,
     return (weights if weights_dtype is None else weights.to(weights_dtype)), ids
 
 
+def group_limited_topk(scores: torch.Tensor, top_k: int, num_groups: int, topk_group: int, group_score: str,
+                       fill: float) -> torch.Tensor:
+    """Expert ids (tokens, top_k) chosen only among the `topk_group` best of `num_groups` equal groups of
+    experts (DeepSeek's node-limited routing): a group scores its best expert ("max", DeepSeek-V2's
+    group_limited_greedy) or the sum of its best two ("top2", DeepSeek-V3); the other groups' experts
+    score `fill` before the top k is taken."""
+    tokens, experts = scores.shape
+    if experts % num_groups:
+        raise ValueError(f"n_group={num_groups} does not divide the {experts} routed experts")
+    grouped = scores.view(tokens, num_groups, experts // num_groups)
+    per_group = grouped.max(dim=-1).values if group_score == "max" else grouped.topk(2, dim=-1).values.sum(dim=-1)
+    keep = torch.zeros_like(per_group, dtype=torch.bool)
+    keep.scatter_(1, per_group.topk(topk_group, dim=-1, sorted=False).indices, True)
+    masked = scores.masked_fill(~keep.repeat_interleave(experts // num_groups, dim=1), fill)
+    return masked.topk(top_k, dim=-1, sorted=False).indices
+
+
 class SparseMoeBlock(nn.Module):
     """Router, routed experts and (Qwen2-MoE) a shared expert scaled by a sigmoid gate, in place of the
     dense MLP. Subclasses set how the config names its sizes and how routing weights are formed."""

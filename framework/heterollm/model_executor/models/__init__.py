@@ -17,6 +17,8 @@ CORE_BACKEND = Backend(
         "Qwen2MoeForCausalLM": "heterollm.model_executor.models.qwen2_moe:Qwen2MoeForCausalLM",
         "Qwen3MoeForCausalLM": "heterollm.model_executor.models.qwen3_moe:Qwen3MoeForCausalLM",
         "MixtralForCausalLM": "heterollm.model_executor.models.mixtral:MixtralForCausalLM",
+        "DeepseekV2ForCausalLM": "heterollm.model_executor.models.deepseek_v2:DeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM": "heterollm.model_executor.models.deepseek_v2:DeepseekV3ForCausalLM",
         "LlamaForSequenceClassification": "heterollm.model_executor.models.llama:LlamaForSequenceClassification",
         "MistralForSequenceClassification": "heterollm.model_executor.models.llama:LlamaForSequenceClassification",
         "Qwen2ForSequenceClassification": "heterollm.model_executor.models.llama:Qwen2ForSequenceClassification",
