@@ -187,10 +187,11 @@ def hf_reranker_score(folder: Path, query: str, doc: str, instruction: str = RER
     return torch.stack([logits[no], logits[yes]]).log_softmax(-1)[1].exp().item()
 
 
-def load_family_weights(folder: Path, load_choices: str = "default", tp_rank: int = 0, tp_size: int = 1):
-    """The core family model of `folder` built for one tensor-parallel rank and loaded with
-    `--load_choices load_choices`: (its parameters by name, the loader's ReadStats). Asserts that every
-    parameter was filled."""
+def load_family_weights(folder: Path, load_choices: str = "default", tp_rank: int = 0, tp_size: int = 1,
+                        ep_size: int = 1):
+    """The core family model of `folder` built for one tensor-parallel rank (with `ep_size` = tp_size:
+    one expert-parallel rank) and loaded with `--load_choices load_choices`: (its parameters by name,
+    the loader's ReadStats). Asserts that every parameter was filled."""
     from heterollm.model_executor.checkpoint_slice import ReadStats
     from heterollm.model_executor.loader import iter_weights, resolve_model
     from heterollm.model_executor.parallel import ParallelContext
@@ -201,7 +202,7 @@ def load_family_weights(folder: Path, load_choices: str = "default", tp_rank: in
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32)
     try:
-        model = cls(source.hf_config, ParallelContext(tp_rank, tp_size), 128)
+        model = cls(source.hf_config, ParallelContext(tp_rank, tp_size, ep_size=ep_size), 128)
     finally:
         torch.set_default_dtype(previous)
     stats = ReadStats()

@@ -38,11 +38,35 @@ def check_flag_combinations(config: HeterollmConfig) -> list[str]:
             problems.append(f"--{flag}: needs --max_global_tpot_ms, the TPOT target "
                             + ("it keeps running decodes within" if flag.startswith("enable_latency")
                                else "a step's tokens are budgeted to meet"))
+    problems += expert_parallel_problems(config)
     problems += spec_problems(config)
     if config.kv_cache.kv_events_config:
         events = parse_kv_events_config(config.kv_cache.kv_events_config)
         problems += kv_events_port_problems(events, config.parallel.dp_size)
     return problems
+
+
+def expert_parallel_size(config: HeterollmConfig) -> int:
+    """The EP size the launch runs: --ep_size (xLLM), else --expert_parallel_degree, else every
+    tensor-parallel rank under FastDeploy's --enable_expert_parallel, else 1."""
+    tp = config.parallel.tp_size
+    if config.parallel.ep_size > 1:
+        return config.parallel.ep_size
+    if config.eplb.expert_parallel_degree > 0:
+        return config.eplb.expert_parallel_degree
+    return tp if config.fastdeploy.enable_expert_parallel else 1
+
+
+def expert_parallel_problems(config: HeterollmConfig) -> list[str]:
+    ep, degree, tp = config.parallel.ep_size, config.eplb.expert_parallel_degree, config.parallel.tp_size
+    if ep > 1 and degree > 0 and degree != ep:
+        return [f"--expert_parallel_degree={degree}: disagrees with --ep_size={ep} (set one of them)"]
+    size = expert_parallel_size(config)
+    if size not in (1, tp):
+        flag = f"--ep_size={ep}" if ep > 1 else f"--expert_parallel_degree={degree}"
+        return [f"{flag}: experts are sharded over the tensor-parallel ranks, so it must equal --tp_size={tp} "
+                f"(or stay 1); an EP group smaller than TP (experts split inside it too) is not built"]
+    return []
 
 
 def check_single_replica(config: HeterollmConfig, where: str) -> None:

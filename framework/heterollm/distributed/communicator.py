@@ -57,6 +57,19 @@ class TorchDistributedCommunicator(Communicator):
         dist.all_gather(parts, tensor.contiguous())
         return torch.cat(parts, dim=dim)
 
+    def all_to_all(self, tensor: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+        if self._world_size == 1:
+            return tensor, [tensor.shape[0]]
+        if len(send_counts) != self._world_size or sum(send_counts) != tensor.shape[0]:
+            raise ValueError(f"all_to_all: send_counts {send_counts} do not split {tensor.shape[0]} rows over "
+                             f"{self._world_size} ranks")
+        recv = torch.empty(self._world_size, dtype=torch.long, device=tensor.device)
+        dist.all_to_all_single(recv, torch.tensor(send_counts, dtype=torch.long, device=tensor.device))
+        recv_counts = recv.tolist()
+        out = tensor.new_empty((sum(recv_counts), *tensor.shape[1:]))
+        dist.all_to_all_single(out, tensor.contiguous(), recv_counts, list(send_counts))
+        return out, recv_counts
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self._world_size > 1:
             dist.broadcast(tensor, src)

@@ -1,4 +1,4 @@
-"""Communicator: collectives for tensor parallelism (a backend's `components["communicators"]`)."""
+"""Communicator: collectives for tensor and expert parallelism (a backend's `components["communicators"]`)."""
 from __future__ import annotations
 
 from abc import abstractmethod
@@ -37,6 +37,19 @@ class Communicator(Component):
     @abstractmethod
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's `tensor` along `dim`, in rank order."""
+
+    def all_to_all(self, tensor: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """Expert parallelism's dispatch and combine: the first `send_counts[j]` rows of `tensor` after
+        those of lower ranks go to rank j; returns the rows every rank sent here, in rank order, and
+        how many came from each rank (so the reply travels back with `send_counts` = those counts).
+        Optional: the default refuses, and a launch with --ep_size > 1 is refused naming it
+        (`supports_all_to_all()`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement all_to_all")
+
+    @classmethod
+    def supports_all_to_all(cls) -> bool:
+        """Whether `all_to_all` is implemented (expert parallelism needs it)."""
+        return cls.all_to_all is not Communicator.all_to_all
 
     @abstractmethod
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:

@@ -23,42 +23,72 @@ from heterollm.model_executor.parallel import ParallelContext
 
 
 class FusedMoE(nn.Module):
-    """`num_experts` SiLU-gated experts: w13 (experts, 2 * inter / tp, hidden), each expert's gate rows
-    then its up rows; w2 (experts, hidden, inter / tp).
+    """`num_experts` SiLU-gated experts: w13 (local experts, 2 * inter / tp, hidden), each expert's gate
+    rows then its up rows; w2 (local experts, hidden, inter / tp).
+
+    Tensor parallelism (ep_size 1): every rank holds every expert, a 1 / tp slice of each one's
+    intermediate dimension, and returns a partial sum. Expert parallelism (`pctx.ep_size` = tp): rank r
+    holds experts r * E / ep .. (r + 1) * E / ep - 1 whole; `forward` dispatches each token's choices to
+    their experts' ranks through the Communicator's all_to_all (each rank sends the choices of its own
+    1 / ep share of the step's tokens), runs the experts there, combines the weighted rows back with a
+    second all_to_all, and all-gathers the shares: every rank then holds the complete routed output.
+    `finish` adds the shared experts' tensor-parallel partial sum either way.
 
     `weight_loader(param, tensor, expert, shard)` takes one expert's checkpoint tensor (gate or up
     (inter, hidden): shard 0 / 1 of w13; down (hidden, inter): w2, shard 0), or, with expert None,
     all experts stacked along a first dimension (transformers' fused `gate_up_proj` split into its
-    gate and up halves, or `down_proj`). It keeps this rank's slice, so a lazy checkpoint window
-    (`--load_choices default_v1`) reads only that. `param.num_shards` counts the (expert, shard)
-    parts a complete parameter receives."""
+    gate and up halves, or `down_proj`). It keeps this rank's slice (its experts, its intermediate
+    rows), so a lazy checkpoint window (`--load_choices default_v1`) reads only that;
+    `param.local_expert(e)` maps a checkpoint expert id to this rank's (None: another rank's).
+    `param.num_shards` counts the (local expert, shard) parts a complete parameter receives."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, pctx: ParallelContext) -> None:
         super().__init__()
         self.pctx = pctx
         self.num_experts = num_experts
-        self.inter = pctx.shard(intermediate, "moe intermediate size")
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.inter), requires_grad=False)
-        self.w13.weight_loader, self.w13.num_shards = self._load_w13, 2 * num_experts
-        self.w2.weight_loader, self.w2.num_shards = self._load_w2, num_experts
+        self.ep = pctx.ep_size > 1
+        if self.ep and num_experts % pctx.ep_size:
+            raise ValueError(f"--ep_size={pctx.ep_size} does not divide the {num_experts} routed experts")
+        self.num_local = num_experts // pctx.ep_size
+        self.first = pctx.ep_rank * self.num_local
+        """This rank's first expert (its experts are first .. first + num_local - 1)."""
+        self.inter = intermediate if self.ep else pctx.shard(intermediate, "moe intermediate size")
+        self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * self.inter, hidden), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.num_local, hidden, self.inter), requires_grad=False)
+        self.w13.weight_loader, self.w13.num_shards = self._load_w13, 2 * self.num_local
+        self.w2.weight_loader, self.w2.num_shards = self._load_w2, self.num_local
+        for param in (self.w13, self.w2):
+            param.local_expert, param.num_experts = self.local_expert, num_experts
+
+    def local_expert(self, expert: int) -> int | None:
+        """This rank's index of checkpoint expert `expert`; None when another rank holds it."""
+        local = expert - self.first
+        return local if 0 <= local < self.num_local else None
 
     def _rank_slice(self, loaded: Any, dim: int) -> Any:
-        if loaded.shape[dim] != self.inter * self.pctx.tp_size:
-            raise ValueError(f"shape mismatch: experts' intermediate size {self.inter * self.pctx.tp_size}, "
-                             f"checkpoint {tuple(loaded.shape)}")
-        return loaded.narrow(dim, self.pctx.tp_rank * self.inter, self.inter)
+        full = self.inter * (1 if self.ep else self.pctx.tp_size)
+        if loaded.shape[dim] != full:
+            raise ValueError(f"shape mismatch: experts' intermediate size {full}, checkpoint {tuple(loaded.shape)}")
+        return loaded if self.ep else loaded.narrow(dim, self.pctx.tp_rank * self.inter, self.inter)
 
     def _target(self, param: nn.Parameter, expert: int | None) -> torch.Tensor:
         return param.data if expert is None else param.data[expert]
 
+    def _experts_of(self, loaded: Any, expert: int | None) -> Any:
+        """All experts stacked (expert None): this rank's range of them."""
+        if expert is not None:
+            return loaded
+        if loaded.shape[0] != self.num_experts:
+            raise ValueError(f"shape mismatch: {self.num_experts} experts, checkpoint {tuple(loaded.shape)}")
+        return loaded.narrow(0, self.first, self.num_local)
+
     def _load_w13(self, param: nn.Parameter, loaded: Any, expert: int | None, shard: int) -> None:
-        rows = self._rank_slice(loaded, 0 if expert is not None else 1)
+        rows = self._rank_slice(self._experts_of(loaded, expert), 0 if expert is not None else 1)
         target = self._target(param, expert)
         _copy(target.narrow(-2, shard * self.inter, self.inter), rows)
 
     def _load_w2(self, param: nn.Parameter, loaded: Any, expert: int | None, shard: int = 0) -> None:
-        _copy(self._target(param, expert), self._rank_slice(loaded, -1))
+        _copy(self._target(param, expert), self._rank_slice(self._experts_of(loaded, expert), -1))
 
     prepared_experts = True
     """`model_bytes` counts `state`."""
@@ -80,10 +110,44 @@ class FusedMoE(nn.Module):
         return self.states13 + self.states2 if self.method is not None else []
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """This rank's partial sum of the routed experts (not reduced)."""
+        """The routed experts' output: this rank's partial sum under tensor parallelism (`finish` reduces
+        it), the complete sum under expert parallelism."""
+        if self.ep:
+            return self._dispatch_combine(x, topk_weights, topk_ids)
+        return self._local(x, topk_weights, topk_ids)
+
+    def _local(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if self.method is not None:
             return ops.get("fused_moe")(x, self.states13, self.states2, topk_weights, topk_ids, self.method)
         return ops.get("fused_moe")(x, self.w13, self.w2, topk_weights, topk_ids)
+
+    def _dispatch_combine(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        ep, rank = self.pctx.ep_size, self.pctx.ep_rank
+        tokens = x.shape[0]
+        share = -(-tokens // ep)  # this rank dispatches tokens lo..hi of the step
+        lo, hi = min(rank * share, tokens), min((rank + 1) * share, tokens)
+        ids = topk_ids[lo:hi].reshape(-1)
+        owner = torch.div(ids, self.num_local, rounding_mode="floor")
+        order = torch.argsort(owner, stable=True)
+        token = torch.div(order, topk_ids.shape[1], rounding_mode="floor")  # the share's token of each row
+        send = torch.bincount(owner, minlength=ep).tolist()
+        # each choice travels as its token's row, with its expert (local to the owner) and weight beside
+        choice = torch.stack([(ids - owner * self.num_local)[order].to(torch.float32),
+                              topk_weights[lo:hi].reshape(-1)[order].to(torch.float32)], dim=1)
+        rows, received = self.pctx.all_to_all(x[lo:hi][token], send)
+        choice, _ = self.pctx.all_to_all(choice, send)
+        weighted = self._local(rows, choice[:, 1:].to(topk_weights.dtype), choice[:, :1].long())
+        back, _ = self.pctx.all_to_all(weighted, received)  # each row returns to its sender, in its order
+        out = x.new_zeros(share, x.shape[1])
+        out.index_add_(0, token, back)
+        return self.pctx.all_gather(out, dim=0)[:tokens]
+
+    def finish(self, routed: torch.Tensor, partial: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's output: `routed` (this layer's forward) plus `partial`, a tensor-parallel partial
+        sum (the shared experts), reduced across ranks once."""
+        if self.ep:
+            return routed if partial is None else routed + self.pctx.all_reduce(partial)
+        return self.pctx.all_reduce(routed if partial is None else routed + partial)
 
 
 def prepare_experts(model: nn.Module, method: Any) -> int:
@@ -175,9 +239,10 @@ class SparseMoeBlock(nn.Module):
         weights, ids = softmax_topk(self.gate(x), self.top_k, self.renormalize,
                                     None if self.fp32_weights else x.dtype)
         out = self.experts(x, weights, ids)
-        if self.shared_expert is not None:  # the gate is per token and replicated: apply it before the reduce
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return self.pctx.all_reduce(out)
+        if self.shared_expert is None:
+            return self.experts.finish(out)
+        # the gate is per token and replicated: applied to the partial sum before the reduce
+        return self.experts.finish(out, torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x))
 
 
 class SharedExpert(nn.Module):
@@ -265,11 +330,13 @@ class MoeWeightsMixin:
         param = params.get(target)
         if param is None:
             raise KeyError(name)
-        num_experts = param.shape[0]
         for expert, shard, part in todo:
-            if expert is not None and expert >= num_experts:
+            if expert is not None and expert >= param.num_experts:
                 raise KeyError(name)
-            param.weight_loader(param, part.to(param.dtype), expert, shard)
-            got = range(num_experts) if expert is None else (expert,)
+            local = None if expert is None else param.local_expert(expert)
+            if expert is not None and local is None:  # another rank's expert (--ep_size)
+                continue
+            param.weight_loader(param, part.to(param.dtype), local, shard)
+            got = range(param.shape[0]) if expert is None else (local,)
             parts.setdefault(target, set()).update((e, shard) for e in got)
         return True

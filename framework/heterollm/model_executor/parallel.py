@@ -1,4 +1,4 @@
-"""Who this worker is in tensor parallelism; models reach collectives only through this."""
+"""Who this worker is in tensor and expert parallelism; models reach collectives only through this."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,9 +15,19 @@ class ParallelContext:
     tp_rank: int = 0
     tp_size: int = 1
     communicator: Communicator | None = None
+    ep_size: int = 1
+    """Expert parallelism (--ep_size): 1, or tp_size, the ranks each holding whole experts, a
+    1 / ep_size share of them, instead of a slice of every expert."""
+
+    @property
+    def ep_rank(self) -> int:
+        return self.tp_rank if self.ep_size > 1 else 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.tp_size == 1 else self.communicator.all_reduce(x)
+
+    def all_to_all(self, x: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+        return (x, send_counts) if self.tp_size == 1 else self.communicator.all_to_all(x, send_counts)
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         return x if self.tp_size == 1 else self.communicator.all_gather(x, dim)

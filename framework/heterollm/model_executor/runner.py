@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from heterollm.config import ConfigError, HeterollmConfig
+from heterollm.config.checks import expert_parallel_size
 from heterollm.interfaces import (AttentionInputs, Communicator, ForwardContext, RunnerOutput, ScheduledRequest,
                                   SchedulerOutput, StepInputs, TokenLogprobs)
 from heterollm.interfaces.executor import RankMemory
@@ -21,7 +22,7 @@ from heterollm.model_executor.linear_method import (model_bytes, prepare_linears
 from heterollm.model_executor.checkpoint_slice import ReadStats
 from heterollm.model_executor.layers import cache_layout
 from heterollm.model_executor.loader import ModelSource, iter_weights
-from heterollm.model_executor.moe import prepare_experts
+from heterollm.model_executor.moe import FusedMoE, prepare_experts
 from heterollm.model_executor.parallel import ParallelContext
 from heterollm.model_executor.quant_linear import attach_quantized, checkpoint_methods, prepare_quantized
 from heterollm.model_executor.registry import get_model_class
@@ -176,7 +177,7 @@ class ModelRunner:
         self.graph_runner = sel.component("graph_runners")()
         self.pctx = ParallelContext(launch.rank if rank is None else rank,
                                     launch.world_size if world_size is None else world_size,
-                                    communicator or launch.communicator)
+                                    communicator or launch.communicator, expert_parallel_size(self.config))
         self.dtype = resolve_dtype(self.config.device.dtype, self.source.hf_config, self.platform,
                                    self.source.gguf_file is not None)
         self.block_size = self.config.kv_cache.block_size
@@ -215,6 +216,8 @@ class ModelRunner:
                 raise ConfigError(f"--model: {self.source.folder}: {exc}") from None
             finally:
                 torch.set_default_dtype(previous)
+        if self.pctx.ep_size > 1:
+            self._check_expert_parallel(model)
         refused = getattr(model, "launch_refused", None)  # e.g. MoE experts: no linear method covers them
         if refused is not None and (reason := refused(self.config.fastdeploy.quantization, quant,
                                                       self.source.gguf_file)):
@@ -254,6 +257,16 @@ class ModelRunner:
                     str(self.dtype).removeprefix("torch."),
                     f", linear method {(quant_method or method).name}" if quant_method or method else "",
                     self.load_seconds, self.config.fastdeploy.load_choices, reads.read / 2**20, reads.stored / 2**20)
+
+    def _check_expert_parallel(self, model: Any) -> None:
+        flag = f"--ep_size={self.pctx.ep_size}"
+        if not any(isinstance(m, FusedMoE) for m in model.modules()):
+            raise ConfigError(f"{flag}: {type(model).__name__} has no experts to shard (expert parallelism is for "
+                              f"mixture-of-experts models)")
+        comm = self.pctx.communicator
+        if comm is not None and not type(comm).supports_all_to_all():
+            raise ConfigError(f"{flag}: the communicator {type(comm).__name__} does not implement all_to_all, "
+                              f"which dispatches tokens to their experts' ranks")
 
     def kv_bytes_per_block(self) -> int:
         """Per block of the cache: the target's K/V, plus a draft model's when one runs."""

@@ -18,7 +18,8 @@ Checks (each names the component it exercises):
   - sampler: temperature / top-k / top-p / min-p / penalties / seeded draws on logits of the
     device build every tensor on that device (heterollm.testing.devices; on a CPU-hosted platform,
     with the logits presented as living on another device);
-  - communicator: all_reduce, all_gather, broadcast and barrier on 2 ranks (spawned processes);
+  - communicator: all_reduce, all_gather, broadcast and barrier on 2 ranks (spawned processes), and
+    all_to_all with uneven splits where it implements it (expert parallelism needs it);
   - graph runner: captured at start-up from decode-only steps of the selected attention backend,
     `run` gives the eager result for every batch size, and every step it says it can replay is
     replayed (a runner that replays nothing is reported as skipped, never as passed);
@@ -355,6 +356,11 @@ def _collectives(rank: int, world: int, address: str, device: str, impl: str, re
         got["all_reduce"] = comm.all_reduce(torch.full((3,), float(rank + 1), device=dev)).cpu().tolist()
         got["all_gather"] = comm.all_gather(torch.full((2, 1), float(rank), device=dev), dim=1).cpu().tolist()
         got["broadcast"] = comm.broadcast(torch.full((2,), float(rank * 10 + 7), device=dev), src=1).cpu().tolist()
+        if comm.supports_all_to_all():  # rank 0 sends 1 row to itself and 2 to rank 1; rank 1 sends 3, 0
+            send = [1, 2] if rank == 0 else [3, 0]
+            rows = torch.arange(3 * 2, dtype=torch.float32).view(3, 2) + 100 * rank
+            out, counts = comm.all_to_all(rows.to(dev), send)
+            got["all_to_all"] = (out.cpu().tolist(), counts)
         comm.barrier()
         comm.destroy()
         results.put(got)
@@ -386,6 +392,11 @@ def test_communicator_collectives_on_two_ranks(target):
         assert g["all_reduce"] == [3.0, 3.0, 3.0]
         assert g["all_gather"] == [[0.0, 1.0], [0.0, 1.0]]
         assert g["broadcast"] == [17.0, 17.0]
+    if "all_to_all" not in got[0]:
+        pytest.skip(f"{selection.component('communicators').__name__} does not implement all_to_all (expert "
+                    f"parallelism is refused with it); the other collectives passed")
+    assert got[0]["all_to_all"] == ([[0.0, 1.0], [100.0, 101.0], [102.0, 103.0], [104.0, 105.0]], [1, 3])
+    assert got[1]["all_to_all"] == ([[2.0, 3.0], [4.0, 5.0]], [2, 0])
 
 
 # -- graph runner ----------------------------------------------------------------------------------

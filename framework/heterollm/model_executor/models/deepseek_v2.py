@@ -186,9 +186,7 @@ class DeepseekV2Moe(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
         out = self.experts(x, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return self.pctx.all_reduce(out)
+        return self.experts.finish(out, None if self.shared_experts is None else self.shared_experts(x))
 
 
 class DeepseekV3Moe(DeepseekV2Moe):
