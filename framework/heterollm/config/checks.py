@@ -59,14 +59,25 @@ def expert_parallel_size(config: HeterollmConfig) -> int:
 
 def expert_parallel_problems(config: HeterollmConfig) -> list[str]:
     ep, degree, tp = config.parallel.ep_size, config.eplb.expert_parallel_degree, config.parallel.tp_size
+    eplb = config.eplb
+    problems = []
+    if eplb.enable_eplb and expert_parallel_size(config) == 1:
+        problems.append("--enable_eplb: balances experts across expert-parallel ranks; set --ep_size (or "
+                        "--enable_expert_parallel) with --tp_size > 1 too")
+    if not eplb.enable_eplb:
+        specs = current_schema().specs
+        for name in ("redundant_experts_num", "eplb_update_interval"):
+            if getattr(eplb, name) != specs[name].default:
+                problems.append(f"--{name}={getattr(eplb, name)}: only --enable_eplb uses it (set that too)")
     if ep > 1 and degree > 0 and degree != ep:
-        return [f"--expert_parallel_degree={degree}: disagrees with --ep_size={ep} (set one of them)"]
+        return problems + [f"--expert_parallel_degree={degree}: disagrees with --ep_size={ep} (set one of them)"]
     size = expert_parallel_size(config)
     if size not in (1, tp):
         flag = f"--ep_size={ep}" if ep > 1 else f"--expert_parallel_degree={degree}"
-        return [f"{flag}: experts are sharded over the tensor-parallel ranks, so it must equal --tp_size={tp} "
-                f"(or stay 1); an EP group smaller than TP (experts split inside it too) is not built"]
-    return []
+        problems.append(f"{flag}: experts are sharded over the tensor-parallel ranks, so it must equal "
+                        f"--tp_size={tp} (or stay 1); an EP group smaller than TP (experts split inside it too) "
+                        f"is not built")
+    return problems
 
 
 def check_single_replica(config: HeterollmConfig, where: str) -> None:

@@ -54,7 +54,6 @@ def _planned(names: str, reason: str, ok: tuple[Any, ...] = ()) -> None:
 _planned("backend", "vlm and dit backends; --backend=llm is accepted", ok=("llm",))
 _planned("cp_size kv_split_size "
          "worker_memory_master_node_addr enable_dp_fair_token_budget", "the parallelism issue")
-_planned("enable_eplb redundant_experts_num eplb_update_interval", "expert load balancing (EPLB)")
 RULES["enable_attn_dp_weight_sharding"] = Rule(
     "attention data parallelism inside one expert-parallel group is not built: --dp_size replicas are separate "
     "engines, each with its own tensor-parallel ranks (attention runs tensor-parallel under --ep_size)")

@@ -183,6 +183,8 @@ class LLMEngine:
         self.proposer = make_proposer(self.spec) if self.spec is not None else None
         """The engine-side proposer (suffix, n-gram); None for a draft model (it runs on the workers)."""
         self.spec_stats = SpecStats()
+        self.expert_load: dict[str, Any] | None = None
+        """--enable_eplb: the last expert-load counters the runner reported (RunnerOutput.expert_load)."""
         self._spec_step: tuple[int, int, int] = (0, 0, 0)
         """The last step's (verifications, drafts, accepted), for --enable_profile_step_time."""
 
@@ -439,7 +441,7 @@ class LLMEngine:
                 "spec_acceptance_rate": spec.acceptance_rate or 0.0,
                 "spec_mean_accepted_length": spec.mean_accepted_length or 0.0, "spec_num_drafts": spec.num_drafts,
                 "spec_num_draft_tokens": spec.num_draft_tokens, "spec_num_accepted_tokens": spec.num_accepted_tokens,
-                "spec_accepted_per_position": list(spec.accepted_per_position)}
+                "spec_accepted_per_position": list(spec.accepted_per_position), "moe": self.expert_load}
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -499,6 +501,8 @@ class LLMEngine:
     def _update(self, so: SchedulerOutput, result: RunnerOutput) -> list[tuple[Request, list[int]]]:
         """The scheduler takes the step's tokens; each sequence's grammar advances by them."""
         changed = self.scheduler.update(so, result)
+        if result.expert_load is not None:
+            self.expert_load = result.expert_load
         if self.spec is not None:
             self._spec_step = self.spec_stats.observe(so, result)
         if self.structured is not None:

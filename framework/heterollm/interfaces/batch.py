@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -97,3 +97,7 @@ class RunnerOutput:
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds spent in this step's phases on the worker ("prepare", "forward", "sample"), for
     --enable_profile_step_time."""
+    expert_load: dict[str, Any] | None = None
+    """--enable_eplb: the expert-load counters after this step (sparse layer indices, choices per
+    logical expert and per physical slot since start, each slot's expert, each rank's choices since
+    the last re-placement, re-placements so far); None without EPLB."""

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from heterollm.model_executor import ops
+from heterollm.model_executor.eplb import ExpertPlacement
 from heterollm.model_executor.layers import MergedColumnParallelLinear, RowParallelLinear, _copy
 from heterollm.model_executor.parallel import ParallelContext
 
@@ -32,14 +33,17 @@ class FusedMoE(nn.Module):
     their experts' ranks through the Communicator's all_to_all (each rank sends the choices of its own
     1 / ep share of the step's tokens), runs the experts there, combines the weighted rows back with a
     second all_to_all, and all-gathers the shares: every rank then holds the complete routed output.
-    `finish` adds the shared experts' tensor-parallel partial sum either way.
+    `finish` adds the shared experts' tensor-parallel partial sum either way. With EPLB (`pctx.
+    redundant_experts`) a rank has E / ep + R slots whose experts `placement` says; choices go to a
+    replica of their expert, and `rebalance` re-places the experts between steps (eplb.py).
 
     `weight_loader(param, tensor, expert, shard)` takes one expert's checkpoint tensor (gate or up
     (inter, hidden): shard 0 / 1 of w13; down (hidden, inter): w2, shard 0), or, with expert None,
     all experts stacked along a first dimension (transformers' fused `gate_up_proj` split into its
     gate and up halves, or `down_proj`). It keeps this rank's slice (its experts, its intermediate
     rows), so a lazy checkpoint window (`--load_choices default_v1`) reads only that;
-    `param.local_expert(e)` maps a checkpoint expert id to this rank's (None: another rank's).
+    `param.local_slots(e)` maps a checkpoint expert id to this rank's slots holding it (none: another
+    rank's; with EPLB's redundant slots, possibly several).
     `param.num_shards` counts the (local expert, shard) parts a complete parameter receives."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, pctx: ParallelContext) -> None:
@@ -49,21 +53,35 @@ class FusedMoE(nn.Module):
         self.ep = pctx.ep_size > 1
         if self.ep and num_experts % pctx.ep_size:
             raise ValueError(f"--ep_size={pctx.ep_size} does not divide the {num_experts} routed experts")
-        self.num_local = num_experts // pctx.ep_size
-        self.first = pctx.ep_rank * self.num_local
-        """This rank's first expert (its experts are first .. first + num_local - 1)."""
+        self.placement = (ExpertPlacement(num_experts, pctx.ep_size, pctx.redundant_experts)
+                          if self.ep and pctx.redundant_experts is not None else None)
+        """EPLB: which logical expert each rank's slot holds, and the load counters (eplb.py)."""
+        self.num_local = self.placement.slots if self.placement is not None else num_experts // pctx.ep_size
+        """Expert slots on this rank."""
+        self.first = pctx.ep_rank * (num_experts // pctx.ep_size)
+        """Without EPLB: this rank's first expert (its experts are first .. first + num_local - 1)."""
         self.inter = intermediate if self.ep else pctx.shard(intermediate, "moe intermediate size")
         self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * self.inter, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(self.num_local, hidden, self.inter), requires_grad=False)
         self.w13.weight_loader, self.w13.num_shards = self._load_w13, 2 * self.num_local
         self.w2.weight_loader, self.w2.num_shards = self._load_w2, self.num_local
         for param in (self.w13, self.w2):
-            param.local_expert, param.num_experts = self.local_expert, num_experts
+            param.local_slots, param.num_experts = self.local_slots, num_experts
 
-    def local_expert(self, expert: int) -> int | None:
-        """This rank's index of checkpoint expert `expert`; None when another rank holds it."""
+    def local_slots(self, expert: int) -> list[int]:
+        """This rank's slots holding checkpoint expert `expert` (none: another rank's; several: EPLB's
+        replicas)."""
+        if self.placement is not None:
+            return self.placement.local_slots(self.pctx.ep_rank, expert)
         local = expert - self.first
-        return local if 0 <= local < self.num_local else None
+        return [local] if 0 <= local < self.num_local else []
+
+    def _slot_experts(self) -> torch.Tensor:
+        """The checkpoint expert of each of this rank's slots."""
+        if self.placement is not None:
+            rank = self.pctx.ep_rank
+            return self.placement.phys2log[rank * self.num_local:(rank + 1) * self.num_local]
+        return torch.arange(self.first, self.first + self.num_local)
 
     def _rank_slice(self, loaded: Any, dim: int) -> Any:
         full = self.inter * (1 if self.ep else self.pctx.tp_size)
@@ -80,6 +98,8 @@ class FusedMoE(nn.Module):
             return loaded
         if loaded.shape[0] != self.num_experts:
             raise ValueError(f"shape mismatch: {self.num_experts} experts, checkpoint {tuple(loaded.shape)}")
+        if self.placement is not None:
+            return loaded[self._slot_experts()]
         return loaded.narrow(0, self.first, self.num_local)
 
     def _load_w13(self, param: nn.Parameter, loaded: Any, expert: int | None, shard: int) -> None:
@@ -123,6 +143,8 @@ class FusedMoE(nn.Module):
 
     def _dispatch_combine(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         ep, rank = self.pctx.ep_size, self.pctx.ep_rank
+        if self.placement is not None:  # logical experts -> the physical slots serving them (counted)
+            topk_ids = self.placement.to_physical(topk_ids)
         tokens = x.shape[0]
         share = -(-tokens // ep)  # this rank dispatches tokens lo..hi of the step
         lo, hi = min(rank * share, tokens), min((rank + 1) * share, tokens)
@@ -141,6 +163,33 @@ class FusedMoE(nn.Module):
         out = x.new_zeros(share, x.shape[1])
         out.index_add_(0, token, back)
         return self.pctx.all_gather(out, dim=0)[:tokens]
+
+    def rebalance(self) -> int:
+        """EPLB: re-place the experts from the load counted since the last time (rank 0's plan, so all
+        ranks agree) and move the weights of every slot whose expert changed, between two steps.
+        Returns the slots that changed."""
+        placement, rank, slots = self.placement, self.pctx.ep_rank, self.num_local
+        new = placement.plan()
+        if self.pctx.communicator is not None:
+            new = self.pctx.communicator.broadcast(new, src=0)
+        moves = placement.moves(new)
+        sends = sorted((m for m in moves if m.src // slots == rank and m.dst // slots != rank), key=lambda m: m.dst)
+        counts = [sum(1 for m in sends if m.dst // slots == r) for r in range(self.pctx.ep_size)]
+        src = torch.tensor([m.src % slots for m in sends], dtype=torch.long)
+        got13, _ = self.pctx.all_to_all(self.w13.data[src].flatten(1), counts)
+        got2, _ = self.pctx.all_to_all(self.w2.data[src].flatten(1), counts)
+        w13, w2 = self.w13.data.clone(), self.w2.data.clone()
+        for m in moves:  # a copy within the rank
+            if m.dst // slots == rank and m.src // slots == rank:
+                w13[m.dst % slots], w2[m.dst % slots] = self.w13.data[m.src % slots], self.w2.data[m.src % slots]
+        received = sorted((m for m in moves if m.dst // slots == rank and m.src // slots != rank),
+                          key=lambda m: (m.src // slots, m.dst))  # senders' order, rank by rank
+        for i, m in enumerate(received):
+            w13[m.dst % slots] = got13[i].view(w13.shape[1:])
+            w2[m.dst % slots] = got2[i].view(w2.shape[1:])
+        self.w13.data, self.w2.data = w13, w2
+        placement.commit(new)
+        return len(moves)
 
     def finish(self, routed: torch.Tensor, partial: torch.Tensor | None = None) -> torch.Tensor:
         """The block's output: `routed` (this layer's forward) plus `partial`, a tensor-parallel partial
@@ -333,10 +382,11 @@ class MoeWeightsMixin:
         for expert, shard, part in todo:
             if expert is not None and expert >= param.num_experts:
                 raise KeyError(name)
-            local = None if expert is None else param.local_expert(expert)
-            if expert is not None and local is None:  # another rank's expert (--ep_size)
+            if expert is None:  # all experts stacked: the loader keeps this rank's
+                param.weight_loader(param, part.to(param.dtype), None, shard)
+                parts.setdefault(target, set()).update((e, shard) for e in range(param.shape[0]))
                 continue
-            param.weight_loader(param, part.to(param.dtype), local, shard)
-            got = range(param.shape[0]) if expert is None else (local,)
-            parts.setdefault(target, set()).update((e, shard) for e in got)
+            for local in param.local_slots(expert):  # none: another rank's expert (--ep_size)
+                param.weight_loader(param, part.to(param.dtype), local, shard)
+                parts.setdefault(target, set()).add((local, shard))
         return True

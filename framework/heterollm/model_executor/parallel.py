@@ -18,6 +18,9 @@ class ParallelContext:
     ep_size: int = 1
     """Expert parallelism (--ep_size): 1, or tp_size, the ranks each holding whole experts, a
     1 / ep_size share of them, instead of a slice of every expert."""
+    redundant_experts: int | None = None
+    """EPLB (--enable_eplb): the extra expert slots per rank (--redundant_experts_num) that hold
+    replicas of hot experts; None without EPLB."""
 
     @property
     def ep_rank(self) -> int:

@@ -177,7 +177,13 @@ class ModelRunner:
         self.graph_runner = sel.component("graph_runners")()
         self.pctx = ParallelContext(launch.rank if rank is None else rank,
                                     launch.world_size if world_size is None else world_size,
-                                    communicator or launch.communicator, expert_parallel_size(self.config))
+                                    communicator or launch.communicator, expert_parallel_size(self.config),
+                                    self.config.eplb.redundant_experts_num if self.config.eplb.enable_eplb else None)
+        self.eplb_interval = self.config.eplb.eplb_update_interval if self.config.eplb.enable_eplb else 0
+        """Steps between EPLB re-placements (0: no EPLB)."""
+        self.eplb_steps = 0
+        self.balanced: list[tuple[int, FusedMoE]] = []
+        """EPLB: (layer index, experts) of every sparse layer."""
         self.dtype = resolve_dtype(self.config.device.dtype, self.source.hf_config, self.platform,
                                    self.source.gguf_file is not None)
         self.block_size = self.config.kv_cache.block_size
@@ -263,6 +269,12 @@ class ModelRunner:
         if not any(isinstance(m, FusedMoE) for m in model.modules()):
             raise ConfigError(f"{flag}: {type(model).__name__} has no experts to shard (expert parallelism is for "
                               f"mixture-of-experts models)")
+        if self.eplb_interval:
+            if self.config.fastdeploy.quantization:
+                raise ConfigError(f"--enable_eplb with --quantization={self.config.fastdeploy.quantization}: moving "
+                                  f"prepared (quantized) experts between ranks is not built; use float experts")
+            self.balanced = [(int(name.split(".layers.")[1].split(".")[0]), m) for name, m in model.named_modules()
+                             if isinstance(m, FusedMoE)]
         comm = self.pctx.communicator
         if comm is not None and not type(comm).supports_all_to_all():
             raise ConfigError(f"{flag}: the communicator {type(comm).__name__} does not implement all_to_all, "
@@ -392,13 +404,31 @@ class ModelRunner:
         if self.drafter is not None:
             drafts = self.drafter.propose(reqs, [sampled[i][0] if i in sampled else [] for i in range(len(reqs))])
         t4 = time.perf_counter()
+        expert_load = self._balance_experts() if self.eplb_interval else None
         return RunnerOutput(
             request_ids=[r.request_id for r in reqs],
             sampled_token_ids=[sampled[i][0] if i in sampled else [] for i in range(len(reqs))],
             logprobs=[sampled[i][1] if i in sampled else None for i in range(len(reqs))],
             prompt_logprobs=prompt_lps, pooled=pooled, spec_token_ids=drafts,
             timings={"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2,
-                     **({"draft": t4 - t3} if self.drafter is not None else {})})
+                     **({"draft": t4 - t3} if self.drafter is not None else {})},
+            expert_load=expert_load)
+
+    def _balance_experts(self) -> dict[str, Any]:
+        """EPLB after a step: every `--eplb_update_interval` steps, re-place every sparse layer's
+        experts (all ranks run the same steps, so they move together); then the counters."""
+        self.eplb_steps += 1
+        if self.eplb_steps % self.eplb_interval == 0:
+            moved = [m.rebalance() for _, m in self.balanced]
+            if self.pctx.tp_rank == 0:
+                logger.info("EPLB: experts re-placed after %d steps (%d slots changed over %d layers)",
+                            self.eplb_steps, sum(moved), len(moved))
+        placements = [m.placement for _, m in self.balanced]
+        return {"layers": [i for i, _ in self.balanced], "expert": [p.total.tolist() for p in placements],
+                "replica": [p.replica_total.tolist() for p in placements],
+                "placement": [p.phys2log.tolist() for p in placements],
+                "rank_window": [p.rank_load().tolist() for p in placements],
+                "rebalances": placements[0].rebalances if placements else 0}
 
     def _prepare(self, reqs: list[ScheduledRequest]) -> StepInputs:
         """Flatten the step's new tokens and build the attention metadata."""

@@ -131,3 +131,35 @@ class _ReplicaCollector:
             for pos, count in enumerate(s["spec_accepted_per_position"]):
                 per_pos.add_metric([self.model_name, str(rank), str(pos)], count)
         yield per_pos
+        yield from _expert_load(stats, self.model_name)
+
+
+def _expert_load(stats: list[dict[str, Any]], model_name: str):
+    """--enable_eplb: tokens per logical expert and per physical replica slot, each sparse layer's rank
+    imbalance since its last re-placement, and the re-placements so far (families with no sample when
+    EPLB is off)."""
+    labels = ["model_name", "dp_rank", "layer"]
+    load = CounterMetricFamily("heterollm_moe_expert_load", "Expert choices routed to each logical expert.",
+                               labels=[*labels, "expert"])
+    replica = CounterMetricFamily("heterollm_moe_expert_replica_load", "Expert choices each physical expert slot "
+                                  "served (EPLB's redundant replicas included).", labels=[*labels, "ep_rank", "slot",
+                                                                                          "expert"])
+    ratio = GaugeMetricFamily("heterollm_eplb_rank_load_ratio", "Max over mean of the expert-parallel ranks' "
+                              "choices since the layer's last re-placement (1: balanced).", labels=labels)
+    moves = CounterMetricFamily("heterollm_eplb_rebalances", "EPLB re-placements so far.", labels=labels[:2])
+    for rank, s in enumerate(stats):
+        moe = s.get("moe")
+        if not moe:
+            continue
+        base = [model_name, str(rank)]
+        moves.add_metric(base, moe["rebalances"])
+        for layer, experts, slots, placement, ranks in zip(moe["layers"], moe["expert"], moe["replica"],
+                                                           moe["placement"], moe["rank_window"]):
+            for e, count in enumerate(experts):
+                load.add_metric([*base, str(layer), str(e)], count)
+            per_rank = len(slots) // len(ranks)
+            for p, (count, e) in enumerate(zip(slots, placement)):
+                replica.add_metric([*base, str(layer), str(p // per_rank), str(p % per_rank), str(e)], count)
+            mean = sum(ranks) / len(ranks)
+            ratio.add_metric([*base, str(layer)], max(ranks) / mean if mean else 1.0)
+    yield from (load, replica, ratio, moves)
