@@ -137,9 +137,10 @@ def peer_missing(name: str) -> str | None:
 
 
 def run_peer(name: str, prompts: list[list[int]], max_tokens: int, extra: list[str] | None = None,
-             answer_prompt: list[int] | None = None, timeout: float = 3600) -> dict | None:
+             answer_prompt: list[int] | None = None, timeout: float = 3600, model: str | None = None) -> dict | None:
     """Run bench/peer_<name>.py in the peer's own venv on these token-id prompts; its JSON result,
-    or None (the reason already printed) when the peer is missing or fails."""
+    or None (the reason already printed) when the peer is missing or fails. `model`: vLLM's HF folder
+    (default: the peers' SmolLM2)."""
     missing = peer_missing(name)
     if missing:
         print(missing, file=sys.stderr)
@@ -150,7 +151,8 @@ def run_peer(name: str, prompts: list[list[int]], max_tokens: int, extra: list[s
         pj.write_text(json.dumps({"prompts": prompts, "answer_prompt": answer_prompt}))
         env = dict(os.environ)
         if name == "vllm":
-            cmd = [str(d / "vllm" / "bin" / "python"), str(BENCH / "peer_vllm.py"), "--model", str(d / "smollm2-hf")]
+            cmd = [str(d / "vllm" / "bin" / "python"), str(BENCH / "peer_vllm.py"), "--model",
+                   model or str(d / "smollm2-hf")]
             env.update(VLLM_ENV)
         else:
             cmd = [str(d / "llamacpp" / "bin" / "python"), str(BENCH / "peer_llamacpp.py"),

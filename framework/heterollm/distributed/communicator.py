@@ -3,6 +3,7 @@ vendor library plugs into torch.distributed (gloo, nccl, hccl, cncl, ...) can sh
 subclasses it and names its `backend` and `platforms`."""
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import ClassVar
 
@@ -29,6 +30,9 @@ class TorchDistributedCommunicator(Communicator):
                  device: torch.device | None = None) -> None:
         self._rank, self._world_size = rank, world_size
         self._owns_group = False
+        self.seconds = 0.0
+        """Wall time spent in collectives so far, waiting for the other ranks included (the runner
+        reports each step's share as its "comm" timing)."""
         if world_size > 1 and not dist.is_initialized():
             # device_id binds the group to this rank's device (the vendor library then never guesses
             # it from the rank); none for host tensors
@@ -47,27 +51,35 @@ class TorchDistributedCommunicator(Communicator):
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self._world_size > 1:
+            t = time.perf_counter()
             dist.all_reduce(tensor)
+            self.seconds += time.perf_counter() - t
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
         if self._world_size == 1:
             return tensor
         parts = [torch.empty_like(tensor) for _ in range(self._world_size)]
+        t = time.perf_counter()
         dist.all_gather(parts, tensor.contiguous())
+        self.seconds += time.perf_counter() - t
         return torch.cat(parts, dim=dim)
 
-    def all_to_all(self, tensor: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+    def all_to_all(self, tensor: torch.Tensor, send_counts: list[int],
+                   recv_counts: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
         if self._world_size == 1:
             return tensor, [tensor.shape[0]]
         if len(send_counts) != self._world_size or sum(send_counts) != tensor.shape[0]:
             raise ValueError(f"all_to_all: send_counts {send_counts} do not split {tensor.shape[0]} rows over "
                              f"{self._world_size} ranks")
-        recv = torch.empty(self._world_size, dtype=torch.long, device=tensor.device)
-        dist.all_to_all_single(recv, torch.tensor(send_counts, dtype=torch.long, device=tensor.device))
-        recv_counts = recv.tolist()
+        t = time.perf_counter()
+        if recv_counts is None:
+            recv = torch.empty(self._world_size, dtype=torch.long, device=tensor.device)
+            dist.all_to_all_single(recv, torch.tensor(send_counts, dtype=torch.long, device=tensor.device))
+            recv_counts = recv.tolist()
         out = tensor.new_empty((sum(recv_counts), *tensor.shape[1:]))
         dist.all_to_all_single(out, tensor.contiguous(), recv_counts, list(send_counts))
+        self.seconds += time.perf_counter() - t
         return out, recv_counts
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:

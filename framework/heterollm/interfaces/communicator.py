@@ -38,10 +38,12 @@ class Communicator(Component):
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's `tensor` along `dim`, in rank order."""
 
-    def all_to_all(self, tensor: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+    def all_to_all(self, tensor: torch.Tensor, send_counts: list[int],
+                   recv_counts: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
         """Expert parallelism's dispatch and combine: the first `send_counts[j]` rows of `tensor` after
         those of lower ranks go to rank j; returns the rows every rank sent here, in rank order, and
         how many came from each rank (so the reply travels back with `send_counts` = those counts).
+        `recv_counts`, when the caller knows them (a reply), spares exchanging the counts.
         Optional: the default refuses, and a launch with --ep_size > 1 is refused naming it
         (`supports_all_to_all()`)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement all_to_all")

@@ -153,13 +153,18 @@ class FusedMoE(nn.Module):
         order = torch.argsort(owner, stable=True)
         token = torch.div(order, topk_ids.shape[1], rounding_mode="floor")  # the share's token of each row
         send = torch.bincount(owner, minlength=ep).tolist()
-        # each choice travels as its token's row, with its expert (local to the owner) and weight beside
+        # each choice travels as one row of bytes: its token's hidden state, then its expert (local to
+        # the owner) and its weight as two fp32 values
         choice = torch.stack([(ids - owner * self.num_local)[order].to(torch.float32),
                               topk_weights[lo:hi].reshape(-1)[order].to(torch.float32)], dim=1)
-        rows, received = self.pctx.all_to_all(x[lo:hi][token], send)
-        choice, _ = self.pctx.all_to_all(choice, send)
+        packed = torch.cat([x[lo:hi][token].view(torch.uint8), choice.view(torch.uint8)], dim=1)
+        got, received = self.pctx.all_to_all(packed, send)
+        width = x.shape[1] * x.element_size()
+        rows = got[:, :width].contiguous().view(x.dtype)
+        choice = got[:, width:].contiguous().view(torch.float32)
         weighted = self._local(rows, choice[:, 1:].to(topk_weights.dtype), choice[:, :1].long())
-        back, _ = self.pctx.all_to_all(weighted, received)  # each row returns to its sender, in its order
+        # each row returns to its sender, in its order (the counts are known: no exchange)
+        back, _ = self.pctx.all_to_all(weighted, received, send)
         out = x.new_zeros(share, x.shape[1])
         out.index_add_(0, token, back)
         return self.pctx.all_gather(out, dim=0)[:tokens]

@@ -29,8 +29,11 @@ class ParallelContext:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.tp_size == 1 else self.communicator.all_reduce(x)
 
-    def all_to_all(self, x: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
-        return (x, send_counts) if self.tp_size == 1 else self.communicator.all_to_all(x, send_counts)
+    def all_to_all(self, x: torch.Tensor, send_counts: list[int],
+                   recv_counts: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+        if self.tp_size == 1:
+            return x, send_counts
+        return self.communicator.all_to_all(x, send_counts, recv_counts)
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         return x if self.tp_size == 1 else self.communicator.all_gather(x, dim)

@@ -388,6 +388,7 @@ class ModelRunner:
         if not reqs:
             return RunnerOutput([], [], [], [])
         t0 = time.perf_counter()
+        comm0 = getattr(self.pctx.communicator, "seconds", None)
         inputs = self._prepare(reqs)
         t1 = time.perf_counter()
         hidden = self.graph_runner.run(self._forward, inputs)
@@ -411,7 +412,8 @@ class ModelRunner:
             logprobs=[sampled[i][1] if i in sampled else None for i in range(len(reqs))],
             prompt_logprobs=prompt_lps, pooled=pooled, spec_token_ids=drafts,
             timings={"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2,
-                     **({"draft": t4 - t3} if self.drafter is not None else {})},
+                     **({"draft": t4 - t3} if self.drafter is not None else {}),
+                     **({"comm": self.pctx.communicator.seconds - comm0} if comm0 is not None else {})},
             expert_load=expert_load)
 
     def _balance_experts(self) -> dict[str, Any]:
