@@ -267,3 +267,74 @@ def free_port_block(n: int) -> int:
             for s in held:
                 s.close()
     raise RuntimeError(f"no {n} consecutive free ports")
+
+
+_HF_TO_GGUF_LAYER = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+
+
+def write_moe_gguf(folder: Path, out: Path, arch: str, llama_arch_experts: bool = False) -> Path:
+    """A GGUF file of a tiny Qwen2-MoE / Qwen3-MoE folder (`arch`: qwen2moe, qwen3moe), laid out as
+    llama.cpp's converter writes it: F32 tensors (exact), experts stacked per layer (ffn_gate_exps,
+    ffn_up_exps, ffn_down_exps), the shared expert's gate as a (hidden,) vector; SmolLM2's tokenizer
+    metadata copied from its GGUF. `llama_arch_experts`: write it as a `llama` file with experts
+    (what a Mixtral GGUF is)."""
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(folder)
+    tensors = load_file(folder / "model.safetensors")
+    arch = "llama" if llama_arch_experts else arch
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if getattr(cfg, "shared_expert_intermediate_size", 0):
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    for key, field in gguf.GGUFReader(str(smollm2_gguf())).fields.items():
+        if key.startswith("tokenizer."):
+            sub = field.types[1] if len(field.types) > 1 else None
+            w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    stacked: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        if name in top:
+            w.add_tensor(top[name], t.float().numpy())
+            continue
+        parts = name.split(".")
+        layer, rest = int(parts[2]), ".".join(parts[3:])
+        if ".experts." in name:  # model.layers.L.mlp.experts.E.gate_proj.weight
+            expert, proj = int(parts[5]), parts[6]
+            stacked.setdefault((layer, proj), {})[expert] = t
+            continue
+        module, _, kind = rest.rpartition(".")
+        if module == "mlp.shared_expert_gate":
+            t = t.reshape(-1)
+        w.add_tensor(f"blk.{layer}.{_HF_TO_GGUF_LAYER[module]}.{kind}", t.float().numpy())
+    for (layer, proj), experts in sorted(stacked.items()):
+        name = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}[proj]
+        w.add_tensor(f"blk.{layer}.{name}.weight", torch.stack([experts[e] for e in sorted(experts)]).float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

@@ -3,7 +3,8 @@ transformers on tiny random configs: greedy tokens identical and logprobs within
 batch of prompts whose tokens spread unevenly over the experts; Qwen-MoE's dense layers
 (`mlp_only_layers`, `decoder_sparse_step`); `--load_choices default_v1` and transformers' fused
 3-D expert tensors load the same parameters, rank by rank; `--quantization` covers the experts;
-quantized and GGUF checkpoints are refused with the reason; and the `fused_moe` op against a plain per-token loop written here."""
+Qwen-MoE GGUF files load as their folders do, quantized checkpoints and the GGUF files transformers
+reads no config for are refused with the reason; and the `fused_moe` op against a plain per-token loop written here."""
 from __future__ import annotations
 
 import pytest
@@ -13,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from helpers import (MOE_FAMILIES, assert_logprobs_match_transformers, assert_same_parameters, build_tiny_model,
-                     hf_greedy, hf_logprobs, load_family_weights)
+                     hf_greedy, hf_logprobs, load_family_weights, write_moe_gguf)
 from heterollm import LLM, SamplingParams
 from heterollm.config import ConfigError
 from heterollm.model_executor import ops
@@ -147,21 +148,53 @@ def test_quantized_experts_compute_with_their_dequantized_weights(flag):
     torch.testing.assert_close(got.double(), per_token_reference(x, d13, d2, weights, ids), rtol=1e-4, atol=1e-4)
 
 
-def test_gguf_and_quantized_checkpoints_are_refused(tmp_path):
-    """Their expert tensors have no loader yet: the launch says so instead of reporting missing weights."""
+def test_quantized_checkpoints_and_gguf_without_a_config_are_refused(tmp_path):
+    """Quantized experts have no loader yet, and a GGUF of a family transformers reads no GGUF config
+    for (Mixtral, DeepSeek) cannot load: the launch says so instead of reporting missing weights."""
     folder = build_tiny_model(tmp_path / "qwen3_moe", "qwen3_moe")
     source = resolve_model(str(folder))
-    model = get_registry().get("models", source.architectures[0], family="core").obj(
-        source.hf_config, ParallelContext(), 64)
+    registry = get_registry()
+    model = registry.get("models", source.architectures[0], family="core").obj(source.hf_config, ParallelContext(), 64)
 
     class Gptq:
         def describe(self):
             return "GPTQ 4-bit"
 
     assert model.launch_refused(None, None, None) is None
-    assert "GGUF files of mixture-of-experts models (Qwen3MoeForCausalLM)" in model.launch_refused(
-        None, None, tmp_path / "m.gguf")
+    assert model.launch_refused(None, None, tmp_path / "m.gguf") is None  # Qwen3-MoE GGUF files load
     assert "a GPTQ 4-bit checkpoint of Qwen3MoeForCausalLM" in model.launch_refused(None, Gptq(), None)
+    folder = build_tiny_model(tmp_path / "mixtral", "mixtral")
+    source = resolve_model(str(folder))
+    mixtral = registry.get("models", source.architectures[0], family="core").obj(source.hf_config, ParallelContext(), 64)
+    assert "GGUF files of MixtralForCausalLM are not loaded" in mixtral.launch_refused(None, None, tmp_path / "m.gguf")
+
+
+@pytest.mark.parametrize("family,arch", [("qwen3_moe", "qwen3moe"), ("qwen2_moe", "qwen2moe")])
+def test_gguf_files_load_like_the_safetensors_folder(tmp_path, family, arch, monkeypatch):
+    """llama.cpp's layout (experts stacked per layer, the shared expert's gate a vector; the experts'
+    widths only in `<arch>.expert_*feed_forward_length`, which transformers' GGUF config leaves at the
+    class default): the greedy tokens of transformers on the folder, and the same parameters."""
+    monkeypatch.setenv("HETEROLLM_CACHE_DIR", str(tmp_path / "cache"))
+    folder = build_tiny_model(tmp_path / family, family)
+    gguf_file = write_moe_gguf(folder, tmp_path / f"{family}.gguf", arch)
+    llm = LLM(str(gguf_file), dtype="float32", num_gpu_blocks_override=64)
+    cfg = llm.engine.executor.runner.source.hf_config
+    assert cfg.moe_intermediate_size == 32 and getattr(cfg, "shared_expert_intermediate_size", 64) == 64
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(folder, PROMPTS, 8)
+    from_gguf, _ = load_family_weights(gguf_file)
+    want, _ = load_family_weights(folder)
+    assert_same_parameters(from_gguf, want)
+
+
+def test_a_mixtral_gguf_is_refused_naming_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("HETEROLLM_CACHE_DIR", str(tmp_path / "cache"))
+    folder = build_tiny_model(tmp_path / "qwen3_moe", "qwen3_moe")
+    gguf_file = write_moe_gguf(folder, tmp_path / "mixtral.gguf", "qwen3moe", llama_arch_experts=True)
+    with pytest.raises(ConfigError, match=r"a llama GGUF file with 8 experts \(Mixtral-style\), which transformers "
+                                          r"reads as a dense model"):
+        LLM(str(gguf_file), dtype="float32", num_gpu_blocks_override=64)
+
 
 # -- loading: default_v1 windows and fused expert tensors, rank by rank ---------------------------
 @pytest.mark.parametrize("family", sorted(MOE_FAMILIES))

@@ -20,7 +20,8 @@ from heterollm import envs
 
 logger = logging.getLogger("heterollm.loader")
 
-FORMAT = 1
+FORMAT = 2
+"""Bumped when what is cached changes (2: mixture-of-experts widths completed from the metadata)."""
 
 
 def cache_folder(gguf_file: Path) -> Path:
@@ -41,8 +42,38 @@ def load_config(gguf_file: Path) -> Any:
         except Exception as exc:  # a damaged cache entry: rebuild it
             logger.warning("ignoring the cached config in %s (%s)", folder, exc)
     config = AutoConfig.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    _complete_moe(config, gguf_file)
     _store(folder, "config.json", config.save_pretrained)
     return config
+
+
+def _complete_moe(config: Any, gguf_file: Path) -> None:
+    """What transformers' GGUF config leaves at the class default for mixture-of-experts files: the
+    experts' and the shared expert's widths (`<arch>.expert_feed_forward_length`,
+    `<arch>.expert_shared_feed_forward_length`). A llama-architecture file with experts (Mixtral) is
+    refused: transformers reads it as a dense Llama."""
+    import gguf
+
+    from heterollm.config import ConfigError
+
+    fields = gguf.GGUFReader(str(gguf_file)).fields
+    arch_field = fields.get("general.architecture")
+    arch = arch_field.contents() if arch_field is not None else ""
+
+    def value(key: str) -> Any:
+        field = fields.get(f"{arch}.{key}")
+        return None if field is None else field.contents()
+
+    experts = value("expert_count")
+    if not experts:
+        return
+    if config.model_type in ("llama", "mistral"):
+        raise ConfigError(f"--model: {gguf_file} is a {arch} GGUF file with {experts} experts (Mixtral-style), which "
+                          f"transformers reads as a dense model; use the Hugging Face safetensors folder")
+    for key, attr in (("expert_feed_forward_length", "moe_intermediate_size"),
+                      ("expert_shared_feed_forward_length", "shared_expert_intermediate_size")):
+        if (width := value(key)) is not None and hasattr(config, attr):
+            setattr(config, attr, int(width))
 
 
 def load_tokenizer(gguf_file: Path) -> Any:

@@ -195,6 +195,13 @@ _GGUF_LAYER = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+_GGUF_MOE = {  # llama.cpp's mixture-of-experts tensors (Qwen2-MoE, Qwen3-MoE)
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+_GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+"""All experts of a layer in one (experts, out, in) tensor: named as transformers' stacked experts."""
 _GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -203,8 +210,13 @@ def gguf_to_hf_name(name: str) -> str | None:
     if stem in _GGUF_TOP:
         return f"{_GGUF_TOP[stem]}.{kind}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER[parts[2]]}.{kind}"
+    if len(parts) == 3 and parts[0] == "blk":
+        if parts[2] in _GGUF_LAYER:
+            return f"model.layers.{parts[1]}.{_GGUF_LAYER[parts[2]]}.{kind}"
+        if parts[2] in _GGUF_MOE:
+            return f"model.layers.{parts[1]}.{_GGUF_MOE[parts[2]]}.{kind}"
+        if parts[2] in _GGUF_EXPERTS and kind == "weight":
+            return f"model.layers.{parts[1]}.mlp.experts.{_GGUF_EXPERTS[parts[2]]}"
     return None
 
 
@@ -240,6 +252,8 @@ def _iter_gguf(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
             w = _unpermute(w, n_head)
         elif permute and hf_name.endswith("k_proj.weight"):
             w = _unpermute(w, n_kv)
+        elif hf_name.endswith("shared_expert_gate.weight") and w.dim() == 1:  # llama.cpp keeps it (hidden,)
+            w = w.unsqueeze(0)
         yield hf_name, w
 
 

@@ -321,7 +321,9 @@ def is_sparse_layer(cfg: Any, idx: int) -> bool:
 
 
 _PER_EXPERT = re.compile(r"^(?P<block>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
-_FUSED = re.compile(r"^(?P<block>.+)\.experts\.(?P<proj>gate_up_proj|down_proj)$")
+_FUSED = re.compile(r"^(?P<block>.+)\.experts\.(?P<proj>gate_up_proj|gate_proj|up_proj|down_proj)$")
+"""All experts stacked in one tensor: transformers' (experts, 2 * inter, hidden) gate_up_proj, or
+gate_proj / up_proj (experts, inter, hidden) apart (a GGUF file's ffn_gate_exps / ffn_up_exps)."""
 
 
 class MoeWeightsMixin:
@@ -345,10 +347,14 @@ class MoeWeightsMixin:
             return (f"--model: a {checkpoint_quant.describe()} checkpoint of {arch}: quantized "
                     f"mixture-of-experts weights are not supported yet; use a float checkpoint (and "
                     f"--quantization to quantize it on load)")
-        if gguf_file is not None:
-            return (f"--model: {gguf_file}: GGUF files of mixture-of-experts models ({arch}) are not loaded "
-                    f"yet; use the Hugging Face safetensors folder")
+        if gguf_file is not None and not self.gguf_experts:
+            return (f"--model: {gguf_file}: GGUF files of {arch} are not loaded (transformers reads no GGUF "
+                    f"config for it); use the Hugging Face safetensors folder")
         return None
+
+    gguf_experts = False
+    """Whether this family loads from GGUF (Qwen2-MoE, Qwen3-MoE: the architectures transformers reads a
+    GGUF config for)."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters(remove_duplicate=False))  # type: ignore[attr-defined]
@@ -375,9 +381,11 @@ class MoeWeightsMixin:
             expert = int(m["expert"])
             todo = [(expert, shard, tensor)]
         elif m := _FUSED.match(name):
-            stacked = "w13" if m["proj"] == "gate_up_proj" else "w2"
-            halves = tensor.chunk(2, dim=1) if stacked == "w13" else (tensor,)
-            todo = [(None, shard, half) for shard, half in enumerate(halves)]
+            stacked = "w2" if m["proj"] == "down_proj" else "w13"
+            if m["proj"] == "gate_up_proj":
+                todo = [(None, shard, half) for shard, half in enumerate(tensor.chunk(2, dim=1))]
+            else:
+                todo = [(None, 1 if m["proj"] == "up_proj" else 0, tensor)]
         else:
             return False
         target = f"{m['block']}.experts.{stacked}"

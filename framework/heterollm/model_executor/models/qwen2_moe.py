@@ -25,6 +25,7 @@ class MoeDecoderLayer(DecoderLayer):
 class Qwen2MoeForCausalLM(MoeWeightsMixin, LlamaForCausalLM):
     mlp_class = SparseMoeBlock
     layer_class = MoeDecoderLayer
+    gguf_experts = True
 
     def biases(self, hf_config: Any) -> tuple[bool, bool]:
         return bool(getattr(hf_config, "qkv_bias", True)), False

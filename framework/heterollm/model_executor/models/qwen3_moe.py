@@ -13,3 +13,4 @@ class Qwen3MoeForCausalLM(MoeWeightsMixin, LlamaForCausalLM):
     qk_norm = True
     mlp_class = SparseMoeBlock
     layer_class = MoeDecoderLayer
+    gguf_experts = True
