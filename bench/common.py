@@ -18,6 +18,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 os.environ.setdefault("TQDM_DISABLE", "1")  # no progress bars in the logs (transformers' GGUF loader, vLLM)
@@ -175,6 +176,31 @@ def run_peer(name: str, prompts: list[list[int]], max_tokens: int, extra: list[s
         result = json.loads(out.read_text())
         result["command"] = shlex.join(cmd)
         return result
+
+
+# ---------------------------------------------------------------------------------------------
+# heterollm's steps, timed
+# ---------------------------------------------------------------------------------------------
+def run_recording_steps(engine) -> list[dict]:
+    """Step `engine` until it has nothing left, timing each executor call: per step its wall time,
+    whether it was decode-only, and the runner's own phase timings (prepare, forward, sample, comm)."""
+    executor, records = engine.executor, []
+    execute = executor.execute
+
+    def timed(so):
+        t = time.perf_counter()
+        out = execute(so)
+        records.append({"wall": time.perf_counter() - t, "decode": so.num_tokens == len(so.requests),
+                        **out.timings})
+        return out
+
+    executor.execute = timed
+    try:
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        executor.execute = execute
+    return records
 
 
 # ---------------------------------------------------------------------------------------------

@@ -95,20 +95,7 @@ def decode_steps(folder: Path, batch: int, steps: int, **flags) -> dict[str, flo
     params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
     for i, p in enumerate(prompts(batch, 64, seed=3)):
         engine.add_request(p, params, request_id=f"ep-{i}")
-    executor, records = engine.executor, []
-    execute = executor.execute
-
-    def timed(so):
-        t = time.perf_counter()
-        out = execute(so)
-        records.append({"wall": time.perf_counter() - t, "decode": so.num_tokens == len(so.requests),
-                        **out.timings})
-        return out
-
-    executor.execute = timed
-    while engine.has_unfinished():
-        engine.step()
-    executor.execute = execute
+    records = common.run_recording_steps(engine)
     llm.shutdown()
     rows = [r for r in records if r["decode"]][1:steps + 1]  # the first decode warms up
     return {k: 1000 * statistics.mean(r.get(k, 0.0) for r in rows) for k in ("wall", "forward", "comm")}

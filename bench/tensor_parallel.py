@@ -50,21 +50,7 @@ def decode_steps(llm, batch: int, steps: int) -> list[dict[str, float]]:
     params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
     for i in range(batch):
         engine.add_request([1000 + (i * 7 + j) % 40000 for j in range(64)], params, request_id=f"b{batch}-{i}")
-    executor = engine.executor
-    records = []
-    execute = executor.execute
-
-    def timed(so):
-        t = time.perf_counter()
-        out = execute(so)
-        records.append({"wall": time.perf_counter() - t, "decode": so.num_tokens == len(so.requests),
-                        **out.timings})
-        return out
-
-    executor.execute = timed
-    while engine.has_unfinished():
-        engine.step()
-    executor.execute = execute
+    records = common.run_recording_steps(engine)
     rows = [r for r in records if r["decode"]][1:steps + 1]  # drop the first decode (warm-up)
     return rows
 

@@ -338,3 +338,22 @@ def write_moe_gguf(folder: Path, out: Path, arch: str, llama_arch_experts: bool 
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+PARALLEL_FLAGS = dict(dtype="float32", block_size=8, num_gpu_blocks_override=128, max_model_len=256)
+"""What the tensor-, expert-parallel and EPLB tests launch with beside their own flags."""
+PARALLEL_PROMPTS = [[5, 6, 7, 8, 9], list(range(100, 140)), [42] * 3]
+
+
+def greedy_run(folder: Path, max_tokens: int = 12, **flags) -> tuple[list[list[int]], list[float]]:
+    """Launch `folder` with PARALLEL_FLAGS and `flags`, decode PARALLEL_PROMPTS greedily, shut down:
+    (tokens per prompt, every generated token's logprob in order)."""
+    from heterollm import LLM, SamplingParams
+
+    llm = LLM(str(folder), **PARALLEL_FLAGS, **flags)
+    try:
+        outs = llm.generate(PARALLEL_PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                                                             logprobs=1))
+    finally:
+        llm.shutdown()
+    return [o.outputs[0].token_ids for o in outs], [lp.logprob for o in outs for lp in o.outputs[0].logprobs]

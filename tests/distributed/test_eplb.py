@@ -9,14 +9,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import build_tiny_model
+from helpers import PARALLEL_FLAGS, PARALLEL_PROMPTS, build_tiny_model
 from heterollm import LLM, SamplingParams
 from heterollm.config import ConfigError
 from heterollm.model_executor.eplb import ExpertPlacement, Move
 from heterollm.plugins.resolver import LaunchError
 
-FLAGS = dict(dtype="float32", block_size=8, num_gpu_blocks_override=128, max_model_len=256)
-PROMPTS = [[5, 6, 7, 8, 9], list(range(100, 140)), [42] * 3]
+FLAGS, PROMPTS = PARALLEL_FLAGS, PARALLEL_PROMPTS
 EPLB = dict(tp_size=2, ep_size=2, enable_eplb=True, redundant_experts_num=1)
 BOUND = 1.25
 """Max / mean of the ranks' expert choices after a re-placement, on this skew (hand-derived below: 1.0)."""

@@ -11,23 +11,13 @@ import time
 
 import pytest
 
-from helpers import build_tiny_model, smollm2_gguf
+from helpers import PARALLEL_FLAGS, PARALLEL_PROMPTS, build_tiny_model, greedy_run, smollm2_gguf
 from heterollm import LLM, SamplingParams
 from heterollm.config import ConfigError
 from heterollm.interfaces import ExecutorDead
 
-FLAGS = dict(dtype="float32", block_size=8, num_gpu_blocks_override=128, max_model_len=256)
-PROMPTS = [[5, 6, 7, 8, 9], list(range(100, 140)), [42] * 3]
-GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
-
-
-def run(folder, **flags):
-    llm = LLM(str(folder), **FLAGS, **flags)
-    try:
-        outs = llm.generate(PROMPTS, GREEDY)
-    finally:
-        llm.shutdown()
-    return [o.outputs[0].token_ids for o in outs], [lp.logprob for o in outs for lp in o.outputs[0].logprobs]
+FLAGS, PROMPTS = PARALLEL_FLAGS, PARALLEL_PROMPTS
+run = greedy_run
 
 
 @pytest.mark.parametrize("family,shape", [

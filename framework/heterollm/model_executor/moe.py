@@ -255,6 +255,18 @@ def group_limited_topk(scores: torch.Tensor, top_k: int, num_groups: int, topk_g
     return masked.topk(top_k, dim=-1, sorted=False).indices
 
 
+def routed_top_k(cfg: Any, num_experts: int) -> int:
+    """`num_experts_per_tok`, checked against the experts; and the SiLU-gated experts every MoE block
+    here computes."""
+    act = getattr(cfg, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (silu only)")
+    top_k = int(cfg.num_experts_per_tok)
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and the {num_experts} experts")
+    return top_k
+
+
 class SparseMoeBlock(nn.Module):
     """Router, routed experts and (Qwen2-MoE) a shared expert scaled by a sigmoid gate, in place of the
     dense MLP. Subclasses set how the config names its sizes and how routing weights are formed."""
@@ -266,15 +278,10 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, cfg: Any, pctx: ParallelContext) -> None:
         super().__init__()
-        act = getattr(cfg, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported (silu only)")
         self.pctx = pctx
-        self.top_k = int(cfg.num_experts_per_tok)
-        self.renormalize = self.renormalize_always or bool(getattr(cfg, "norm_topk_prob", False))
         num_experts = self.num_experts(cfg)
-        if not 0 < self.top_k <= num_experts:
-            raise ValueError(f"num_experts_per_tok={self.top_k} must be between 1 and the {num_experts} experts")
+        self.top_k = routed_top_k(cfg, num_experts)
+        self.renormalize = self.renormalize_always or bool(getattr(cfg, "norm_topk_prob", False))
         self.gate = Router(cfg.hidden_size, num_experts)
         self.experts = FusedMoE(num_experts, cfg.hidden_size, self.expert_intermediate(cfg), pctx)
         shared = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)

@@ -35,7 +35,8 @@ from torch import nn
 from heterollm.model_executor.layers import (ColumnParallelLinear, ForwardContext, MlaAttention, ReplicatedLinear,
                                              RMSNorm, RotaryEmbedding, RowParallelLinear, _copy, _shard_loader)
 from heterollm.model_executor.models.llama import MLP, DecoderLayer, LlamaForCausalLM
-from heterollm.model_executor.moe import FusedMoE, MoeWeightsMixin, SharedExpert, group_limited_topk
+from heterollm.model_executor.moe import (FusedMoE, MoeWeightsMixin, SharedExpert, group_limited_topk,
+                                          routed_top_k)
 from heterollm.model_executor.parallel import ParallelContext
 
 LATENT_NORM_EPS = 1e-6
@@ -141,14 +142,9 @@ class DeepseekV2Moe(nn.Module):
 
     def __init__(self, cfg: Any, pctx: ParallelContext) -> None:
         super().__init__()
-        act = getattr(cfg, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported (silu only)")
         self.pctx = pctx
         self.num_experts = int(cfg.n_routed_experts)
-        self.top_k = int(cfg.num_experts_per_tok)
-        if not 0 < self.top_k <= self.num_experts:
-            raise ValueError(f"num_experts_per_tok={self.top_k} must be between 1 and the {self.num_experts} experts")
+        self.top_k = routed_top_k(cfg, self.num_experts)
         self.scaling = float(getattr(cfg, "routed_scaling_factor", 1.0) or 1.0)
         self.n_group = getattr(cfg, "n_group", None)
         self.topk_group = getattr(cfg, "topk_group", None)
