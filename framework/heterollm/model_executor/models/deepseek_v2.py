@@ -236,7 +236,7 @@ class DeepseekV2ForCausalLM(MoeWeightsMixin, LlamaForCausalLM):
     @property
     def kv_geometry(self) -> tuple[int, int, int]:
         """(layers, 1 shared latent, its size)."""
-        return len(self.model.layers), 1, int(self.config.kv_lora_rank + self.config.qk_rope_head_dim)
+        return len(self.model.layers), 1, self.kv_latent_dim
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
