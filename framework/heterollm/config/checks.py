@@ -16,12 +16,13 @@ def check_flag_combinations(config: HeterollmConfig) -> list[str]:
             if getattr(sched, name) != 1.0:
                 problems.append(f"--{name}={getattr(sched, name)}: tunes starvation prevention, which only "
                                 f"--priority_strategy=priority or deadline needs (fcfs cannot starve a request)")
-    dist, tp = config.distributed, config.parallel.tp_size
-    if tp % dist.nnodes:
-        problems.append(f"--nnodes={dist.nnodes}: must divide --tp_size={tp} (each node runs tp_size / nnodes ranks)")
+    dist, world = config.distributed, world_size(config)
+    if world % dist.nnodes:
+        what = "--tp_size" if world == config.parallel.tp_size else "the ranks (--dp_size x --tp_size)"
+        problems.append(f"--nnodes={dist.nnodes}: must divide {what}={world} (each node runs 1 / nnodes of the ranks)")
     if dist.node_rank >= dist.nnodes:
         problems.append(f"--node_rank={dist.node_rank}: must be below --nnodes={dist.nnodes}")
-    if config.parallel.dp_size > 1 and dist.nnodes > 1:
+    if engine_replicas(config) > 1 and dist.nnodes > 1:
         problems.append(f"--dp_size={config.parallel.dp_size}: replicas run in one process on one node; with "
                         f"--nnodes={dist.nnodes} they would all meet at one --master_node_addr")
     prof = config.profile
@@ -42,7 +43,7 @@ def check_flag_combinations(config: HeterollmConfig) -> list[str]:
     problems += spec_problems(config)
     if config.kv_cache.kv_events_config:
         events = parse_kv_events_config(config.kv_cache.kv_events_config)
-        problems += kv_events_port_problems(events, config.parallel.dp_size)
+        problems += kv_events_port_problems(events, engine_replicas(config))
     return problems
 
 
@@ -55,6 +56,26 @@ def expert_parallel_size(config: HeterollmConfig) -> int:
     if config.eplb.expert_parallel_degree > 0:
         return config.eplb.expert_parallel_degree
     return tp if config.fastdeploy.enable_expert_parallel else 1
+
+
+def attention_dp_size(config: HeterollmConfig) -> int:
+    """Attention data parallelism inside one engine (xLLM's `--dp_size` for MoE models): with
+    `--dp_size` D > 1 and an expert-parallel size of D x tp_size, the engine runs D x tp_size ranks;
+    each DP rank holds its own requests' KV cache and runs attention (and every dense layer) for
+    them alone, and the experts are sharded over all ranks. 1 otherwise: `--dp_size` then means
+    engine replicas (behind `heterollm serve`)."""
+    dp, tp = config.parallel.dp_size, config.parallel.tp_size
+    return dp if dp > 1 and expert_parallel_size(config) == dp * tp else 1
+
+
+def world_size(config: HeterollmConfig) -> int:
+    """The ranks of one engine: tp_size, times the attention DP size."""
+    return config.parallel.tp_size * attention_dp_size(config)
+
+
+def engine_replicas(config: HeterollmConfig) -> int:
+    """The engines `heterollm serve` starts: --dp_size, unless it is attention data parallelism."""
+    return 1 if attention_dp_size(config) > 1 else config.parallel.dp_size
 
 
 def expert_parallel_problems(config: HeterollmConfig) -> list[str]:
@@ -71,12 +92,23 @@ def expert_parallel_problems(config: HeterollmConfig) -> list[str]:
                 problems.append(f"--{name}={getattr(eplb, name)}: only --enable_eplb uses it (set that too)")
     if ep > 1 and degree > 0 and degree != ep:
         return problems + [f"--expert_parallel_degree={degree}: disagrees with --ep_size={ep} (set one of them)"]
-    size = expert_parallel_size(config)
-    if size not in (1, tp):
-        flag = f"--ep_size={ep}" if ep > 1 else f"--expert_parallel_degree={degree}"
+    size, dp = expert_parallel_size(config), attention_dp_size(config)
+    flag = f"--ep_size={ep}" if ep > 1 else f"--expert_parallel_degree={degree}"
+    sp = config.speculative
+    if dp > 1 and sp.num_speculative_tokens > 0 and sp.speculative_algorithm == "draft_model":
+        problems.append(f"--dp_size={dp} with --speculative_algorithm=draft_model: the draft model's forward is not "
+                        f"split over the attention data-parallel ranks; use Suffix or ngram speculation")
+    if dp > 1 and tp > 1:
+        problems.append(f"--dp_size={dp} with {flag}: attention data parallelism runs each DP rank's attention "
+                        f"whole (--tp_size 1, --ep_size = --dp_size); tensor parallelism inside a DP rank "
+                        f"(--tp_size={tp}) is not built")
+    elif dp == 1 and size not in (1, tp):
+        dp_hint = (f", or --dp_size x --tp_size for attention data parallelism (--dp_size={config.parallel.dp_size} "
+                   f"gives {config.parallel.dp_size * tp})" if config.parallel.dp_size > 1 else
+                   "; or --dp_size with --ep_size = --dp_size for attention data parallelism")
         problems.append(f"{flag}: experts are sharded over the tensor-parallel ranks, so it must equal "
-                        f"--tp_size={tp} (or stay 1); an EP group smaller than TP (experts split inside it too) "
-                        f"is not built")
+                        f"--tp_size={tp} (or stay 1){dp_hint}; an EP group smaller than TP (experts split inside "
+                        f"it too) is not built")
     return problems
 
 
@@ -85,7 +117,7 @@ def check_single_replica(config: HeterollmConfig, where: str) -> None:
     own process (so the flags of the engine-core process's link mean nothing there either)."""
     from heterollm.config.errors import ConfigError
 
-    if config.parallel.dp_size > 1:
+    if engine_replicas(config) > 1:
         raise ConfigError(f"--dp_size={config.parallel.dp_size}: engine replicas are served behind `heterollm serve`; "
                           f"{where} runs one engine")
     values, specs = config.flat(), current_schema().specs

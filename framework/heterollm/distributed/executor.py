@@ -14,6 +14,7 @@ import socket
 from multiprocessing.connection import wait
 from typing import Any
 
+from heterollm.config.checks import attention_dp_size, world_size
 from heterollm.distributed.worker import STOP, init_method, worker_main
 from heterollm.interfaces import Executor, RunnerOutput, SchedulerOutput
 from heterollm.interfaces.executor import ExecutorDead, RankMemory
@@ -30,8 +31,9 @@ def free_port() -> int:
 
 
 def local_ranks(config: Any) -> range:
-    """The ranks this node runs: tp_size / nnodes consecutive ones."""
-    per_node = config.parallel.tp_size // config.distributed.nnodes
+    """The ranks this node runs: world_size / nnodes consecutive ones (tp_size, times the attention
+    data-parallel size)."""
+    per_node = world_size(config) // config.distributed.nnodes
     return range(config.distributed.node_rank * per_node, (config.distributed.node_rank + 1) * per_node)
 
 
@@ -42,7 +44,7 @@ def spawn_workers(config: Any, max_model_len: int, address: str, conn_for_rank0:
     for rank in ranks:
         conn = conn_for_rank0 if rank == 0 else None
         p = ctx.Process(target=worker_main, name=f"heterollm-tp{rank}", daemon=True,
-                        args=(config, rank, config.parallel.tp_size, address, max_model_len, len(ranks), conn))
+                        args=(config, rank, world_size(config), address, max_model_len, len(ranks), conn))
         p.start()
         procs.append(p)
     return procs
@@ -64,7 +66,8 @@ class MultiprocExecutor(Executor):
         child.close()
         self.dead: str | None = None
         self._closed = False
-        logger.info("tensor parallel: %d ranks (%d on this node), rendezvous %s", cfg.parallel.tp_size,
+        logger.info("%s: %d ranks (%d on this node), rendezvous %s",
+                    "attention data parallel" if attention_dp_size(cfg) > 1 else "tensor parallel", world_size(cfg),
                     len(self.ranks), address)
         self._call(None)  # wait until every local rank has built its executor (or one failed)
 

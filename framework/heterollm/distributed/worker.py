@@ -51,11 +51,13 @@ def wait_for_master(address: str, attempts: int, world_size: int) -> None:
 
 def local_rank(config: Any, rank: int) -> int:
     """This rank's index among its node's ranks: LOCAL_RANK when a launcher (torchrun) set it, else
-    its position in the node's share of --tp_size (see executor.local_ranks)."""
+    its position in the node's share of the ranks (see executor.local_ranks)."""
+    from heterollm.config.checks import world_size
+
     from_launcher = envs.local_rank()
     if from_launcher is not None:
         return from_launcher
-    return rank % (config.parallel.tp_size // config.distributed.nnodes)
+    return rank % (world_size(config) // config.distributed.nnodes)
 
 
 def _bind(platform: Platform, config: Any, rank: int) -> None:
@@ -90,7 +92,9 @@ def worker_main(config: Any, rank: int, world_size: int, address: str, max_model
         raise SystemExit(1) from None
     if conn is not None:
         conn.send(("ready", None))
-    _serve(executor, ctrl, rank, conn)
+    from heterollm.config.checks import attention_dp_size
+
+    _serve(executor, ctrl, rank, conn, gather_steps=attention_dp_size(config) > 1)
 
 
 def _build(config: Any, rank: int, world_size: int, address: str, max_model_len: int,
@@ -115,7 +119,33 @@ def _build(config: Any, rank: int, world_size: int, address: str, max_model_len:
     return selection.component("executors")(launch), ctrl
 
 
-def _serve(executor: Any, ctrl: Any, rank: int, conn: Any) -> None:
+def merge_outputs(outputs: list[Any]) -> Any:
+    """Attention DP: one step's RunnerOutput from the ranks' own (each covers its requests). Timings
+    are the slowest rank's; EPLB's counters, each rank's choices, are summed."""
+    from heterollm.interfaces import RunnerOutput
+
+    merged = RunnerOutput([], [], [], [])
+    pooled = any(o.pooled is not None for o in outputs)
+    merged.pooled = [] if pooled else None
+    for o in outputs:
+        merged.request_ids += o.request_ids
+        merged.sampled_token_ids += o.sampled_token_ids
+        merged.logprobs += o.logprobs
+        merged.prompt_logprobs += o.prompt_logprobs
+        if pooled:
+            merged.pooled += o.pooled if o.pooled is not None else [None] * len(o.request_ids)
+        for key, seconds in o.timings.items():
+            merged.timings[key] = max(merged.timings.get(key, 0.0), seconds)
+    loads = [o.expert_load for o in outputs if o.expert_load is not None]
+    if loads:
+        merged.expert_load = dict(loads[0])
+        for key in ("expert", "replica", "rank_window"):
+            merged.expert_load[key] = [[sum(v) for v in zip(*rows)] for rows in zip(*(load[key] for load in loads))]
+    return merged
+
+
+def _serve(executor: Any, ctrl: Any, rank: int, conn: Any, gather_steps: bool = False) -> None:
+    """`gather_steps` (attention DP): each rank ran its own requests; rank 0 answers with them all."""
     import torch.distributed as dist
 
     while True:
@@ -137,6 +167,10 @@ def _serve(executor: Any, ctrl: Any, rank: int, conn: Any) -> None:
             profiles: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(profiles, result if error is None else [], group=ctrl)
             result = [p for rank_profiles in profiles for p in rank_profiles]
+        elif method == "execute" and gather_steps:
+            outputs: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(outputs, result, group=ctrl)
+            result = merge_outputs(outputs) if rank == 0 and error is None else None
         if rank == 0:
             conn.send((result, error))
     executor.shutdown()

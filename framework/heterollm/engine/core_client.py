@@ -28,6 +28,7 @@ import msgspec
 import zmq
 
 from heterollm.config import ConfigError, HeterollmConfig
+from heterollm.config.checks import engine_replicas
 from heterollm.engine import core_ipc as ipc
 from heterollm.engine.async_engine import (EngineError, Outstanding, RequestStream, _settle, _Stream,
                                            report_finished)
@@ -405,7 +406,7 @@ def start_engine_cores(config: HeterollmConfig) -> list[EngineCoreClient]:
     and its error raised."""
     clients: list[EngineCoreClient] = []
     try:
-        for rank in range(config.parallel.dp_size):
+        for rank in range(engine_replicas(config)):
             clients.append(EngineCoreClient(config, rank))
         frontend = EngineFrontend(config)  # the tokenizer and chat template load while the cores do
         for client in clients:

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import zmq
 
 from heterollm.config import ConfigError, HeterollmConfig
+from heterollm.config.checks import engine_replicas
 from heterollm.engine import core_ipc as ipc
 from heterollm.engine.llm_engine import LLMEngine
 from heterollm.interfaces import ExecutorDead
@@ -60,7 +61,7 @@ def build_engine(config: HeterollmConfig, dp_rank: int) -> LLMEngine:
     from heterollm.plugins import resolve
 
     platform = resolve(config).platform
-    dp = config.parallel.dp_size
+    dp = engine_replicas(config)
     if config.execution.enable_graph:
         platform.configure_threads(dp)
         return LLMEngine(config, dp_rank=dp_rank)

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from heterollm.config import HeterollmConfig
+from heterollm.config import ConfigError, HeterollmConfig
+from heterollm.config.checks import attention_dp_size, engine_replicas
 from heterollm.config.scheduling import SchedulerConfig
 from heterollm.engine.admission import AdmissionLimits, admit_params, best_of
 from heterollm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -23,7 +24,7 @@ from heterollm.engine.memory_budget import KVPlan, KVSizing, mib, plan_kv_cache,
 from heterollm.engine import reservations
 from heterollm.engine.step_profiler import StepProfiler
 from heterollm.interfaces import RunnerOutput, SchedulerOutput
-from heterollm.kv_cache import KVCacheManager
+from heterollm.kv_cache import DataParallelKVCacheManager, KVCacheManager
 from heterollm.kv_cache.events import make_kv_event_publisher
 from heterollm.model_executor.loader import ModelSource, resolve_model
 from heterollm.model_executor.registry import check_model_support
@@ -104,7 +105,7 @@ class LLMEngine:
         reservation there (taken back at shutdown), and log it with the host's budget."""
         kvc = config.kv_cache
         sizing = KVSizing(kvc.max_memory_utilization, kvc.max_cache_size, config.fastdeploy.num_gpu_blocks_override,
-                          config.parallel.dp_size, max_len, kvc.block_size)
+                          engine_replicas(config), max_len, kvc.block_size)
         profiles = self.executor.memory_profile()
         self._reservation = (f"{id(self)}", reservations.registry_path())
         with reservations.host_registry(self._reservation[1]) as host:
@@ -147,7 +148,11 @@ class LLMEngine:
         block_size = config.kv_cache.block_size
         self.kv_plan = self._plan_kv_cache(config, max_len)
         num_blocks = self.kv_plan.num_blocks
-        capacity = num_blocks * block_size
+        dp = attention_dp_size(config)  # attention DP: a sequence's blocks are all on one rank
+        if num_blocks < dp:
+            raise ConfigError(f"--dp_size={dp}: the KV cache has {num_blocks} blocks, fewer than one per attention "
+                              f"DP rank; raise --num_gpu_blocks_override or --max_cache_size")
+        capacity = num_blocks // dp * block_size
         if capacity < max_len:
             logger.warning("the KV cache holds %d tokens, fewer than max_model_len %d; capping max_model_len",
                            capacity, max_len)
@@ -174,9 +179,10 @@ class LLMEngine:
         """Publishes the prefix cache's BlockStored/BlockRemoved events over ZeroMQ (--kv_events_config)."""
         self.structured = self._structured_output_manager(config)
         """Compiles grammars and fills bitmasks (--guided_decoding_backend); None when it is off."""
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_cache=kvc.enable_prefix_cache,
-                                 hash_seed=kvc.xxh3_128bits_seed, record_events=self.kv_events is not None,
-                                 idle_limit=idle_limit)
+        kv_args = dict(enable_prefix_cache=kvc.enable_prefix_cache, hash_seed=kvc.xxh3_128bits_seed,
+                       record_events=self.kv_events is not None, idle_limit=idle_limit)
+        self.kv = (DataParallelKVCacheManager(dp, num_blocks, block_size, **kv_args) if dp > 1
+                   else KVCacheManager(num_blocks, block_size, **kv_args))
         latency = latency_targets(config)
         self.spec = resolve_spec(config)
         """Speculative decoding (spec_decode/), None when it is off."""

@@ -15,6 +15,7 @@ import socket
 
 from heterollm import envs
 from heterollm.config import ConfigError, LoadedConfig
+from heterollm.config.checks import engine_replicas
 from heterollm.config.base import FlagGroup, flag
 
 logger = logging.getLogger("heterollm.server")
@@ -90,7 +91,7 @@ def run_serve(loaded: LoadedConfig) -> int:
                               "anyway, leave --metrics_port unset")
         _check_port(host, metrics_port, "metrics_port")
     settings = server_settings(loaded)
-    dp = cfg.parallel.dp_size
+    dp = engine_replicas(cfg)
     platform = resolve(cfg).platform  # the launch checks, before any process starts (each core runs them again)
     if dp > 1 and platform.device_type != "cpu":
         raise ConfigError(f"--dp_size={dp}: engine replicas on one host share its device; that is built for the "

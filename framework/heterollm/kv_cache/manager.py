@@ -173,6 +173,11 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def same_pool(self, a: str, b: str) -> bool:
+        """Whether freeing request `b`'s blocks can make room for request `a` (one pool: always;
+        attention DP's manager keeps one pool per rank)."""
+        return True
+
     # -- prefix cache ----------------------------------------------------------------------
     def _chain(self, request_id: str, tokens: Sequence[int], num_blocks: int) -> list[int]:
         """The request's chain hashes for its first `num_blocks` full blocks (computed once each)."""

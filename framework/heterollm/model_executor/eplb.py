@@ -48,6 +48,8 @@ class ExpertPlacement:
         """Choices each physical slot served since start (/metrics: the redundant replicas' share)."""
         self.replica_window = torch.zeros(ep * self.slots, dtype=torch.long)
         """Choices each physical slot served since the last re-placement."""
+        self.counting = True
+        """False while a forward that is not traffic runs (attention DP's idle-rank token)."""
         self.rebalances = 0
         self._index()
 
@@ -74,6 +76,8 @@ class ExpertPlacement:
         nth[order] = torch.arange(flat.numel()) - (torch.cumsum(counts, 0) - counts)[flat[order]]
         nth += self.total[flat]
         phys = self._by_expert[self._starts[flat] + nth % self.replicas[flat]]
+        if not self.counting:
+            return phys.view(ids.shape).to(ids.device)
         self.window += counts
         self.total += counts
         served = torch.bincount(phys, minlength=self.ep * self.slots)
@@ -85,9 +89,10 @@ class ExpertPlacement:
         """Choices each rank served since the last re-placement, (ep,)."""
         return self.replica_window.view(self.ep, self.slots).sum(1)
 
-    def plan(self) -> torch.Tensor:
-        """The next phys2log from the window's load (deterministic: every rank computes the same)."""
-        load = self.window.double()
+    def plan(self, window: torch.Tensor | None = None) -> torch.Tensor:
+        """The next phys2log from the window's load (deterministic: every rank computes the same);
+        `window`: the load to balance instead of this rank's count (attention DP: every rank's sum)."""
+        load = (self.window if window is None else window).double()
         replicas = torch.ones(self.num_experts, dtype=torch.long)
         for _ in range(self.ep * self.redundant):  # argmax: the lowest id among equals
             replicas[int(torch.argmax(load / replicas))] += 1

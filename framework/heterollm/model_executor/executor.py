@@ -1,6 +1,7 @@
 """An in-process, single-worker Executor that backends can subclass (the CPU backend does)."""
 from __future__ import annotations
 
+from heterollm.config.checks import world_size
 from heterollm.interfaces import Executor, RunnerOutput, SchedulerOutput
 from heterollm.interfaces.executor import RankMemory
 from heterollm.model_executor.runner import LaunchContext, ModelRunner
@@ -16,8 +17,9 @@ class InProcessExecutor(Executor):
 
     @classmethod
     def create(cls, launch: LaunchContext) -> Executor:
-        """One process per tensor-parallel rank (each running `cls`) when --tp_size > 1, else `cls`."""
-        if launch.config.parallel.tp_size > 1:
+        """One process per rank (each running `cls`) when the engine has several (--tp_size, or attention
+        data parallelism's --dp_size), else `cls`."""
+        if world_size(launch.config) > 1:
             from heterollm.distributed.executor import MultiprocExecutor
 
             return MultiprocExecutor(launch)

@@ -33,7 +33,8 @@ class FusedMoE(nn.Module):
     their experts' ranks through the Communicator's all_to_all (each rank sends the choices of its own
     1 / ep share of the step's tokens), runs the experts there, combines the weighted rows back with a
     second all_to_all, and all-gathers the shares: every rank then holds the complete routed output.
-    `finish` adds the shared experts' tensor-parallel partial sum either way. With EPLB (`pctx.
+    Under attention data parallelism (`pctx.dp_size` > 1, ep = dp) each rank's tokens are its own
+    requests': it dispatches all of them and keeps what comes back (no all-gather). `finish` adds the shared experts' tensor-parallel partial sum either way. With EPLB (`pctx.
     redundant_experts`) a rank has E / ep + R slots whose experts `placement` says; choices go to a
     replica of their expert, and `rebalance` re-places the experts between steps (eplb.py).
 
@@ -146,8 +147,11 @@ class FusedMoE(nn.Module):
         if self.placement is not None:  # logical experts -> the physical slots serving them (counted)
             topk_ids = self.placement.to_physical(topk_ids)
         tokens = x.shape[0]
-        share = -(-tokens // ep)  # this rank dispatches tokens lo..hi of the step
-        lo, hi = min(rank * share, tokens), min((rank + 1) * share, tokens)
+        if self.pctx.dp_size > 1:  # attention DP: the tokens are this rank's own; it dispatches them all
+            share, lo, hi = tokens, 0, tokens
+        else:  # every rank holds the step's tokens; this one dispatches tokens lo..hi of them
+            share = -(-tokens // ep)
+            lo, hi = min(rank * share, tokens), min((rank + 1) * share, tokens)
         ids = topk_ids[lo:hi].reshape(-1)
         owner = torch.div(ids, self.num_local, rounding_mode="floor")
         order = torch.argsort(owner, stable=True)
@@ -167,14 +171,16 @@ class FusedMoE(nn.Module):
         back, _ = self.pctx.all_to_all(weighted, received, send)
         out = x.new_zeros(share, x.shape[1])
         out.index_add_(0, token, back)
-        return self.pctx.all_gather(out, dim=0)[:tokens]
+        return out if self.pctx.dp_size > 1 else self.pctx.all_gather(out, dim=0)[:tokens]
 
     def rebalance(self) -> int:
         """EPLB: re-place the experts from the load counted since the last time (rank 0's plan, so all
         ranks agree) and move the weights of every slot whose expert changed, between two steps.
         Returns the slots that changed."""
         placement, rank, slots = self.placement, self.pctx.ep_rank, self.num_local
-        new = placement.plan()
+        # attention DP: each rank counted its own requests' choices; the plan balances them all
+        new = placement.plan(self.pctx.communicator.all_reduce(placement.window.clone())
+                             if self.pctx.dp_size > 1 else None)
         if self.pctx.communicator is not None:
             new = self.pctx.communicator.broadcast(new, src=0)
         moves = placement.moves(new)

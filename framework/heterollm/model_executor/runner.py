@@ -6,13 +6,13 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from heterollm.config import ConfigError, HeterollmConfig
-from heterollm.config.checks import expert_parallel_size
+from heterollm.config.checks import attention_dp_size, expert_parallel_size
 from heterollm.interfaces import (AttentionInputs, Communicator, ForwardContext, RunnerOutput, ScheduledRequest,
                                   SchedulerOutput, StepInputs, TokenLogprobs)
 from heterollm.interfaces.executor import RankMemory
@@ -175,10 +175,19 @@ class ModelRunner:
         self.device = torch.device(self.platform.device_type)
         self.attn_backend = sel.component("attention")()
         self.graph_runner = sel.component("graph_runners")()
-        self.pctx = ParallelContext(launch.rank if rank is None else rank,
-                                    launch.world_size if world_size is None else world_size,
-                                    communicator or launch.communicator, expert_parallel_size(self.config),
-                                    self.config.eplb.redundant_experts_num if self.config.eplb.enable_eplb else None)
+        rank = self.rank = launch.rank if rank is None else rank
+        world = launch.world_size if world_size is None else world_size
+        redundant = self.config.eplb.redundant_experts_num if self.config.eplb.enable_eplb else None
+        dp = attention_dp_size(self.config)
+        if dp > 1:  # attention data parallelism: each rank's attention whole, the experts over all ranks
+            self.pctx = ParallelContext(0, 1, communicator or launch.communicator, world, redundant,
+                                        dp_size=dp, dp_rank=rank)
+        else:
+            self.pctx = ParallelContext(rank, world, communicator or launch.communicator,
+                                        expert_parallel_size(self.config), redundant)
+        self.dp_blocks = 0
+        """Attention DP: the blocks of the engine's pool this rank holds (its DP rank's range of block
+        ids, dp_rank * dp_blocks ..); the cache has one more, a scratch block for idle steps."""
         self.eplb_interval = self.config.eplb.eplb_update_interval if self.config.eplb.enable_eplb else 0
         """Steps between EPLB re-placements (0: no EPLB)."""
         self.eplb_steps = 0
@@ -224,6 +233,7 @@ class ModelRunner:
                 torch.set_default_dtype(previous)
         if self.pctx.ep_size > 1:
             self._check_expert_parallel(model)
+
         refused = getattr(model, "launch_refused", None)  # e.g. MoE experts: no linear method covers them
         if refused is not None and (reason := refused(self.config.fastdeploy.quantization, quant,
                                                       self.source.gguf_file)):
@@ -308,15 +318,22 @@ class ModelRunner:
         """What this rank holds, for the launcher's KV cache plan (engine/memory_budget.py): its
         memory's figures, weights, activation peak and bytes per block. Sizes nothing itself."""
         free, total = self.platform.memory_info()
+        per_block = self.kv_bytes_per_block()
+        if self.pctx.dp_size > 1:  # a block of the engine's pool lives on one DP rank: 1 / dp of one here
+            per_block = -(-per_block // self.pctx.dp_size)
         return RankMemory(device=device_key(self.platform.device_type), total=total, free=free,
                           weights=self.weight_bytes + (self.drafter.weight_bytes if self.drafter is not None else 0),
                           activation_peak=self.activation_peak_bytes(self.config.scheduler.max_tokens_per_batch),
-                          kv_bytes_per_block=self.kv_bytes_per_block())
+                          kv_bytes_per_block=per_block)
 
     def initialize_cache(self, num_blocks: int) -> None:
         """Allocate the caches, then capture the decode graphs (`--enable_graph`), all of them now,
         before any request. A failed capture turns graphs off with a warning: the engine serves
-        eagerly."""
+        eagerly. Under attention DP `num_blocks` is the engine's pool: this rank holds its 1 / dp share
+        of it, and a scratch block."""
+        if self.pctx.dp_size > 1:
+            self.dp_blocks = num_blocks // self.pctx.dp_size
+            num_blocks = self.dp_blocks + 1
         layers, shape, _ = cache_layout(self.model, self.attn_backend, num_blocks, self.block_size)
         # empty, not zeros: pages are committed as blocks are first written; backends never read
         # a slot that has not been written for the sequence reading it
@@ -395,6 +412,11 @@ class ModelRunner:
         reqs = so.requests
         if not reqs:
             return RunnerOutput([], [], [], [])
+        if self.pctx.dp_size > 1:
+            reqs = self._own_requests(reqs)
+            if not reqs:  # the experts' all_to_all needs every rank: run a token on the scratch block
+                self._idle_step()
+                return RunnerOutput([], [], [], [], expert_load=self._balance_experts() if self.eplb_interval else None)
         t0 = time.perf_counter()
         comm0 = getattr(self.pctx.communicator, "seconds", None)
         inputs = self._prepare(reqs)
@@ -424,13 +446,44 @@ class ModelRunner:
                      **({"comm": self.pctx.communicator.seconds - comm0} if comm0 is not None else {})},
             expert_load=expert_load)
 
+    def _own_requests(self, reqs: list[ScheduledRequest]) -> list[ScheduledRequest]:
+        """Attention DP: the step's requests whose blocks are this rank's (the engine's KV manager keeps a
+        request's blocks in one DP rank's range), with their tables in this rank's cache's ids."""
+        lo, hi = self.pctx.dp_rank * self.dp_blocks, (self.pctx.dp_rank + 1) * self.dp_blocks
+        mine = []
+        for r in reqs:
+            if not lo <= r.block_ids[0] < hi:
+                continue
+            if not all(lo <= b < hi for b in r.block_ids):
+                raise RuntimeError(f"{r.request_id}: blocks {r.block_ids} span attention DP ranks")
+            mine.append(replace(r, block_ids=[b - lo for b in r.block_ids]))
+        return mine
+
+    def _idle_step(self) -> None:
+        """A step with no request of this rank: one token at position 0 of the scratch block, its
+        expert choices not counted as load."""
+        for _, experts in self.balanced:
+            experts.placement.counting = False
+        try:
+            self.graph_runner.run(self._forward, self._idle_inputs())
+        finally:
+            for _, experts in self.balanced:
+                experts.placement.counting = True
+
+    def _idle_inputs(self) -> StepInputs:
+        inputs = AttentionInputs(query_lens=[1], context_lens=[0], block_tables=[[self.dp_blocks]],
+                                 block_size=self.block_size)
+        ctx = ForwardContext(self.attn_backend, self.attn_backend.build_metadata(inputs, self.device), self.kv_caches)
+        return StepInputs(torch.zeros(1, dtype=torch.long, device=self.device),
+                          torch.zeros(1, dtype=torch.long, device=self.device), ctx)
+
     def _balance_experts(self) -> dict[str, Any]:
         """EPLB after a step: every `--eplb_update_interval` steps, re-place every sparse layer's
         experts (all ranks run the same steps, so they move together); then the counters."""
         self.eplb_steps += 1
         if self.eplb_steps % self.eplb_interval == 0:
             moved = [m.rebalance() for _, m in self.balanced]
-            if self.pctx.tp_rank == 0:
+            if self.rank == 0:
                 logger.info("EPLB: experts re-placed after %d steps (%d slots changed over %d layers)",
                             self.eplb_steps, sum(moved), len(moved))
         placements = [m.placement for _, m in self.balanced]
@@ -568,7 +621,7 @@ class ModelRunner:
 
         if self.profiler is None:
             self.profiler = RankProfiler(self.platform, self.config.profile.profile_backend, trace_dir(self.config),
-                                         self.pctx.tp_rank)
+                                         self.rank)
         self.profiler.start()
 
     def stop_profile(self) -> list[str]:

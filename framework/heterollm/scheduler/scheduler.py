@@ -267,7 +267,8 @@ class Scheduler:
                 drafts = []  # no room for them: decode one token
             while self.kv.allocate(request.request_id, request.num_computed_tokens + num_new
                                    + self._room(request, num_new)) is None:
-                others = (r for r in self.running if r.request_id not in step.scheduled and r is not request)
+                others = (r for r in self.running if r.request_id not in step.scheduled and r is not request
+                          and self.kv.same_pool(request.request_id, r.request_id))
                 victim = self.policy.victim(others, worse_than=None if self.policy.fcfs else request)
                 self._preempt(victim or request)
                 if victim is None:
