@@ -279,19 +279,24 @@ _HF_TO_GGUF_LAYER = {
 }
 
 
-def write_moe_gguf(folder: Path, out: Path, arch: str, llama_arch_experts: bool = False) -> Path:
-    """A GGUF file of a tiny Qwen2-MoE / Qwen3-MoE folder (`arch`: qwen2moe, qwen3moe), laid out as
-    llama.cpp's converter writes it: F32 tensors (exact), experts stacked per layer (ffn_gate_exps,
-    ffn_up_exps, ffn_down_exps), the shared expert's gate as a (hidden,) vector; SmolLM2's tokenizer
-    metadata copied from its GGUF. `llama_arch_experts`: write it as a `llama` file with experts
-    (what a Mixtral GGUF is)."""
+def _llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's converter's q/k row order for its `llama` architecture (the loader undoes it)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_moe_gguf(folder: Path, out: Path, arch: str) -> Path:
+    """A GGUF file of a tiny Qwen2-MoE / Qwen3-MoE folder (`arch`: qwen2moe, qwen3moe) or Mixtral folder
+    (`arch` llama: a `llama` file with experts, q/k rows permuted, the experts' width the feed-forward
+    length), laid out as llama.cpp's converter writes it: F32 tensors (exact), experts stacked per layer
+    (ffn_gate_exps, ffn_up_exps, ffn_down_exps), the shared expert's gate as a (hidden,) vector;
+    SmolLM2's tokenizer metadata copied from its GGUF."""
     import gguf
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(folder)
     tensors = load_file(folder / "model.safetensors")
-    arch = "llama" if llama_arch_experts else arch
+    mixtral = cfg.model_type == "mixtral"
     w = gguf.GGUFWriter(str(out), arch)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -304,9 +309,10 @@ def write_moe_gguf(folder: Path, out: Path, arch: str, llama_arch_experts: bool 
     w.add_value_length(head_dim)
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_expert_count(cfg.num_experts)
+    w.add_expert_count(cfg.num_local_experts if mixtral else cfg.num_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
-    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if not mixtral:
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if getattr(cfg, "shared_expert_intermediate_size", 0):
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     for key, field in gguf.GGUFReader(str(smollm2_gguf())).fields.items():
@@ -317,6 +323,14 @@ def write_moe_gguf(folder: Path, out: Path, arch: str, llama_arch_experts: bool 
            "lm_head.weight": "output.weight"}
     stacked: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
     for name, t in tensors.items():
+        if mixtral:
+            for old, new in ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
+                             (".w2.", ".down_proj.")):
+                name = name.replace(old, new)
+            if name.endswith("q_proj.weight"):
+                t = _llama_cpp_permute(t, cfg.num_attention_heads)
+            elif name.endswith("k_proj.weight"):
+                t = _llama_cpp_permute(t, cfg.num_key_value_heads)
         if name in top:
             w.add_tensor(top[name], t.float().numpy())
             continue

@@ -166,34 +166,30 @@ def test_quantized_checkpoints_and_gguf_without_a_config_are_refused(tmp_path):
     folder = build_tiny_model(tmp_path / "mixtral", "mixtral")
     source = resolve_model(str(folder))
     mixtral = registry.get("models", source.architectures[0], family="core").obj(source.hf_config, ParallelContext(), 64)
-    assert "GGUF files of MixtralForCausalLM are not loaded" in mixtral.launch_refused(None, None, tmp_path / "m.gguf")
+    assert mixtral.launch_refused(None, None, tmp_path / "m.gguf") is None  # llama files with experts load
 
 
-@pytest.mark.parametrize("family,arch", [("qwen3_moe", "qwen3moe"), ("qwen2_moe", "qwen2moe")])
+@pytest.mark.parametrize("family,arch", [("qwen3_moe", "qwen3moe"), ("qwen2_moe", "qwen2moe"), ("mixtral", "llama")])
 def test_gguf_files_load_like_the_safetensors_folder(tmp_path, family, arch, monkeypatch):
     """llama.cpp's layout (experts stacked per layer, the shared expert's gate a vector; the experts'
     widths only in `<arch>.expert_*feed_forward_length`, which transformers' GGUF config leaves at the
-    class default): the greedy tokens of transformers on the folder, and the same parameters."""
+    class default; Mixtral as a `llama` file with experts, which transformers reads as a dense Llama):
+    the greedy tokens of transformers on the folder, and the same parameters."""
     monkeypatch.setenv("HETEROLLM_CACHE_DIR", str(tmp_path / "cache"))
     folder = build_tiny_model(tmp_path / family, family)
     gguf_file = write_moe_gguf(folder, tmp_path / f"{family}.gguf", arch)
     llm = LLM(str(gguf_file), dtype="float32", num_gpu_blocks_override=64)
     cfg = llm.engine.executor.runner.source.hf_config
-    assert cfg.moe_intermediate_size == 32 and getattr(cfg, "shared_expert_intermediate_size", 64) == 64
+    if family == "mixtral":
+        assert (type(cfg).__name__, cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size) == \
+            ("MixtralConfig", 4, 2, 32)
+    else:
+        assert cfg.moe_intermediate_size == 32 and getattr(cfg, "shared_expert_intermediate_size", 64) == 64
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(folder, PROMPTS, 8)
     from_gguf, _ = load_family_weights(gguf_file)
     want, _ = load_family_weights(folder)
     assert_same_parameters(from_gguf, want)
-
-
-def test_a_mixtral_gguf_is_refused_naming_why(tmp_path, monkeypatch):
-    monkeypatch.setenv("HETEROLLM_CACHE_DIR", str(tmp_path / "cache"))
-    folder = build_tiny_model(tmp_path / "qwen3_moe", "qwen3_moe")
-    gguf_file = write_moe_gguf(folder, tmp_path / "mixtral.gguf", "qwen3moe", llama_arch_experts=True)
-    with pytest.raises(ConfigError, match=r"a llama GGUF file with 8 experts \(Mixtral-style\), which transformers "
-                                          r"reads as a dense model"):
-        LLM(str(gguf_file), dtype="float32", num_gpu_blocks_override=64)
 
 
 # -- loading: default_v1 windows and fused expert tensors, rank by rank ---------------------------

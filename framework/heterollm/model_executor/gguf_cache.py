@@ -20,8 +20,9 @@ from heterollm import envs
 
 logger = logging.getLogger("heterollm.loader")
 
-FORMAT = 2
-"""Bumped when what is cached changes (2: mixture-of-experts widths completed from the metadata)."""
+FORMAT = 3
+"""Bumped when what is cached changes (2: mixture-of-experts widths completed from the metadata;
+3: a llama file with experts read as Mixtral)."""
 
 
 def cache_folder(gguf_file: Path) -> Path:
@@ -42,19 +43,18 @@ def load_config(gguf_file: Path) -> Any:
         except Exception as exc:  # a damaged cache entry: rebuild it
             logger.warning("ignoring the cached config in %s (%s)", folder, exc)
     config = AutoConfig.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
-    _complete_moe(config, gguf_file)
+    config = _complete_moe(config, gguf_file)
     _store(folder, "config.json", config.save_pretrained)
     return config
 
 
-def _complete_moe(config: Any, gguf_file: Path) -> None:
-    """What transformers' GGUF config leaves at the class default for mixture-of-experts files: the
-    experts' and the shared expert's widths (`<arch>.expert_feed_forward_length`,
-    `<arch>.expert_shared_feed_forward_length`). A llama-architecture file with experts (Mixtral) is
-    refused: transformers reads it as a dense Llama."""
+def _complete_moe(config: Any, gguf_file: Path) -> Any:
+    """What transformers' GGUF config leaves out for mixture-of-experts files: the experts' and the
+    shared expert's widths (`<arch>.expert_feed_forward_length`, `<arch>.expert_shared_feed_forward_length`),
+    which it leaves at the class default; and a llama-architecture file with experts (what llama.cpp
+    writes for Mixtral), which it reads as a dense Llama: that becomes a MixtralConfig with the file's
+    expert count, experts per token and (per-expert) feed-forward width."""
     import gguf
-
-    from heterollm.config import ConfigError
 
     fields = gguf.GGUFReader(str(gguf_file)).fields
     arch_field = fields.get("general.architecture")
@@ -66,14 +66,20 @@ def _complete_moe(config: Any, gguf_file: Path) -> None:
 
     experts = value("expert_count")
     if not experts:
-        return
+        return config
     if config.model_type in ("llama", "mistral"):
-        raise ConfigError(f"--model: {gguf_file} is a {arch} GGUF file with {experts} experts (Mixtral-style), which "
-                          f"transformers reads as a dense model; use the Hugging Face safetensors folder")
+        from transformers import MixtralConfig
+
+        width = value("expert_feed_forward_length") or value("feed_forward_length")
+        dense = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
+        return MixtralConfig.from_dict({**dense, "num_local_experts": int(experts),
+                                        "num_experts_per_tok": int(value("expert_used_count") or 2),
+                                        "intermediate_size": int(width), "architectures": ["MixtralForCausalLM"]})
     for key, attr in (("expert_feed_forward_length", "moe_intermediate_size"),
                       ("expert_shared_feed_forward_length", "shared_expert_intermediate_size")):
         if (width := value(key)) is not None and hasattr(config, attr):
             setattr(config, attr, int(width))
+    return config
 
 
 def load_tokenizer(gguf_file: Path) -> Any:

@@ -195,7 +195,7 @@ _GGUF_LAYER = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
-_GGUF_MOE = {  # llama.cpp's mixture-of-experts tensors (Qwen2-MoE, Qwen3-MoE)
+_GGUF_MOE = {  # llama.cpp's mixture-of-experts tensors (Qwen2-MoE, Qwen3-MoE, Mixtral)
     "ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
     "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
@@ -235,7 +235,7 @@ def _iter_gguf(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
     except Exception as exc:
         raise ConfigError(f"--model: GGUF file {path} is corrupt or truncated: {type(exc).__name__}: {exc}") from None
     cfg = source.hf_config
-    permute = cfg.model_type in ("llama", "mistral")
+    permute = cfg.model_type in ("llama", "mistral", "mixtral")  # llama.cpp's `llama` architecture
     n_head, n_kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     for tensor in _progress(list(reader.tensors), f"dequantizing {path.name}"):
         hf_name = gguf_to_hf_name(tensor.name)

@@ -29,3 +29,4 @@ class MixtralForCausalLM(MoeWeightsMixin, LlamaForCausalLM):
     expert_projections = {"w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", 0),
                           "gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
     block_aliases = {"block_sparse_moe": "mlp"}
+    gguf_experts = True  # llama.cpp's `llama` files with experts (gguf_cache reads them as Mixtral)
