@@ -354,6 +354,103 @@ def write_moe_gguf(folder: Path, out: Path, arch: str) -> Path:
     return out
 
 
+_HF_TO_GGUF_MLA = {
+    "self_attn.q_proj": "attn_q", "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm",
+    "self_attn.q_b_proj": "attn_q_b", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+    "self_attn.kv_a_layernorm": "attn_kv_a_norm", "self_attn.o_proj": "attn_output",
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp",
+}
+
+
+def write_deepseek_gguf(folder: Path, out: Path, split_kv_b: bool = True) -> Path:
+    """A `deepseek2` GGUF file of a tiny DeepSeek-V2 / V3 folder, as llama.cpp's converter writes one:
+    head_count_kv 1 with the latent's key / value lengths and the per-head ones in *_length_mla;
+    kv_b_proj split into attn_k_b (transposed per head) and attn_v_b (`split_kv_b`, the converter's
+    layout since MLA absorption; else one attn_kv_b, older files); experts stacked; the correction bias
+    as exp_probs_b.bias; gating func 2 (sigmoid) for V3; YaRN's mscale_all_dim as 0.1 x it; F32."""
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(folder)
+    tensors = load_file(folder / "model.safetensors")
+    w = gguf.GGUFWriter(str(out), "deepseek2")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(1)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    if cfg.q_lora_rank is not None:
+        w.add_q_lora_rank(cfg.q_lora_rank)
+    w.add_kv_lora_rank(cfg.kv_lora_rank)
+    w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    w.add_value_length(cfg.kv_lora_rank)
+    w.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    w.add_value_length_mla(cfg.v_head_dim)
+    w.add_rope_dimension_count(cfg.qk_rope_head_dim)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_count(cfg.n_routed_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    if cfg.norm_topk_prob:
+        w.add_expert_weights_norm(True)
+    if cfg.n_group:
+        w.add_expert_group_count(cfg.n_group)
+        w.add_expert_group_used_count(cfg.topk_group)
+    v3 = cfg.model_type == "deepseek_v3"
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX)
+    rope = cfg.rope_parameters
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    for key, field in gguf.GGUFReader(str(smollm2_gguf())).fields.items():
+        if key.startswith("tokenizer."):
+            sub = field.types[1] if len(field.types) > 1 else None
+            w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    stacked: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    heads, nope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+    for name, t in tensors.items():
+        if name in top:
+            w.add_tensor(top[name], t.float().numpy())
+            continue
+        parts = name.split(".")
+        layer, rest = int(parts[2]), ".".join(parts[3:])
+        if ".mlp.experts." in name:
+            stacked.setdefault((layer, parts[6]), {})[int(parts[5])] = t
+            continue
+        module, _, kind = rest.rpartition(".")
+        if module == "mlp.gate" and kind == "e_score_correction_bias":
+            w.add_tensor(f"blk.{layer}.exp_probs_b.bias", t.float().numpy())
+        elif module == "self_attn.kv_b_proj" and split_kv_b:
+            kv_b = t.view(heads, nope + v, -1)
+            w.add_tensor(f"blk.{layer}.attn_k_b.weight", kv_b[:, :nope].transpose(1, 2).contiguous().float().numpy())
+            w.add_tensor(f"blk.{layer}.attn_v_b.weight", kv_b[:, nope:].contiguous().float().numpy())
+        elif module == "self_attn.kv_b_proj":
+            w.add_tensor(f"blk.{layer}.attn_kv_b.weight", t.float().numpy())
+        else:
+            gguf_name = _HF_TO_GGUF_MLA.get(module) or _HF_TO_GGUF_LAYER[module]
+            w.add_tensor(f"blk.{layer}.{gguf_name}.{kind}", t.float().numpy())
+    for (layer, proj), experts in sorted(stacked.items()):
+        name = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}[proj]
+        w.add_tensor(f"blk.{layer}.{name}.weight", torch.stack([experts[e] for e in sorted(experts)]).float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
 PARALLEL_FLAGS = dict(dtype="float32", block_size=8, num_gpu_blocks_override=128, max_model_len=256)
 """What the tensor-, expert-parallel and EPLB tests launch with beside their own flags."""
 PARALLEL_PROMPTS = [[5, 6, 7, 8, 9], list(range(100, 140)), [42] * 3]

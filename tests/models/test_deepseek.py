@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_logprobs_match_transformers, build_tiny_model, hf_greedy, hf_logprobs
+from helpers import (assert_logprobs_match_transformers, assert_same_parameters, build_tiny_model, hf_greedy,
+                     hf_logprobs, load_family_weights, write_deepseek_gguf)
 from heterollm import LLM, SamplingParams
 from heterollm.config import ConfigError
 from heterollm.model_executor.models.deepseek_v2 import DeepseekV2Moe, MlaUpProjection
@@ -161,6 +162,77 @@ def test_quantization_covers_experts_and_linears_but_not_kv_b_proj(tmp_path, fla
     for prompt, out in zip(PROMPTS, outs):
         ref = hf_logprobs(folder, prompt)[-1]
         assert ref.max().item() - ref[out.outputs[0].token_ids[0]].item() < 0.3
+
+
+GGUF_VARIANTS = {
+    # llama.cpp's current layout: kv_b_proj split into attn_k_b (transposed per head) and attn_v_b; tied
+    # embeddings (no output.weight)
+    "deepseek_v2": ("deepseek_v2", {"tie_word_embeddings": True}, True),
+    # the older layout (one attn_kv_b); group-limited softmax routing, a q latent, every layer sparse
+    "deepseek_v2-grouped": VARIANTS["deepseek_v2-grouped"] + (False,),
+    # sigmoid routing with exp_probs_b; YaRN with mscale_all_dim from yarn_log_multiplier (interleaved
+    # rotary pairs: llama.cpp keeps DeepSeek's weights as they are)
+    "deepseek_v3-yarn": ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                             "original_max_position_embeddings": 128,
+                                                             "mscale": 0.707, "mscale_all_dim": 0.707}}, True),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(GGUF_VARIANTS))
+def test_gguf_files_load_like_the_safetensors_folder(tmp_path, variant, monkeypatch):
+    """A `deepseek2` GGUF file (transformers reads no config for it: gguf_cache builds it from the
+    metadata) gives transformers' greedy tokens on the folder and the same parameters."""
+    monkeypatch.setenv("HETEROLLM_CACHE_DIR", str(tmp_path / "cache"))
+    family, overrides, split = GGUF_VARIANTS[variant]
+    folder = build_tiny_model(tmp_path / variant, family, **overrides)
+    gguf_file = write_deepseek_gguf(folder, tmp_path / f"{variant}.gguf", split_kv_b=split)
+    for start in ("first", "cached"):  # the second start reads the config and tokenizer saved by the first
+        llm = LLM(str(gguf_file), **FLAGS)
+        try:
+            cfg = llm.engine.executor.runner.source.hf_config
+            outs = llm.generate(PROMPTS[:3], GREEDY)
+        finally:
+            llm.shutdown()
+        assert type(cfg).__name__ == ("DeepseekV3Config" if family == "deepseek_v3" else "DeepseekV2Config"), start
+        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(folder, PROMPTS[:3], NEW), start
+    from_gguf, _ = load_family_weights(gguf_file)
+    want, _ = load_family_weights(folder)
+    assert_same_parameters(from_gguf, want)
+    from transformers import AutoConfig
+
+    ref = AutoConfig.from_pretrained(folder)
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "q_lora_rank",
+                "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "n_routed_experts",
+                "num_experts_per_tok", "n_shared_experts", "first_k_dense_replace", "routed_scaling_factor",
+                "norm_topk_prob", "n_group", "topk_group", "tie_word_embeddings"):
+        assert getattr(cfg, key) == pytest.approx(getattr(ref, key)), key
+    assert getattr(cfg, "topk_method", "noaux_tc") == getattr(ref, "topk_method", "noaux_tc")
+    assert {k: v for k, v in cfg.rope_parameters.items() if k not in ("beta_fast", "beta_slow")} == \
+        pytest.approx({k: v for k, v in ref.rope_parameters.items() if k not in ("beta_fast", "beta_slow")})
+
+
+def test_a_half_split_kv_b_is_refused(tmp_path, monkeypatch):
+    import gguf
+
+    monkeypatch.setenv("HETEROLLM_CACHE_DIR", str(tmp_path / "cache"))
+    folder = build_tiny_model(tmp_path / "v2", "deepseek_v2")
+    full = write_deepseek_gguf(folder, tmp_path / "full.gguf")
+    reader = gguf.GGUFReader(str(full))
+    w = gguf.GGUFWriter(str(tmp_path / "half.gguf"), "deepseek2")
+    for key, field in reader.fields.items():
+        if not key.startswith(("GGUF.", "general.architecture")):
+            sub = field.types[1] if len(field.types) > 1 else None
+            w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        if t.name != "blk.1.attn_v_b.weight":
+            w.add_tensor(t.name, t.data.reshape(tuple(int(d) for d in reversed(t.shape.tolist()))))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ConfigError, match=r"holds only half of the split kv_b_proj of \['model.layers.1.self_attn'\]"):
+        LLM(str(tmp_path / "half.gguf"), **FLAGS)
 
 
 def test_an_attention_family_without_mla_is_refused(tmp_path):

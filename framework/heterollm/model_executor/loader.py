@@ -200,6 +200,11 @@ _GGUF_MOE = {  # llama.cpp's mixture-of-experts tensors (Qwen2-MoE, Qwen3-MoE, M
     "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+_GGUF_MLA = {  # llama.cpp's DeepSeek (`deepseek2`) attention; its kv_b_proj is split in attn_k_b / attn_v_b
+    "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm", "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa", "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj", "attn_k_b": "self_attn.k_b_proj", "attn_v_b": "self_attn.v_b_proj",
+}
 _GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 """All experts of a layer in one (experts, out, in) tensor: named as transformers' stacked experts."""
 _GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -215,6 +220,10 @@ def gguf_to_hf_name(name: str) -> str | None:
             return f"model.layers.{parts[1]}.{_GGUF_LAYER[parts[2]]}.{kind}"
         if parts[2] in _GGUF_MOE:
             return f"model.layers.{parts[1]}.{_GGUF_MOE[parts[2]]}.{kind}"
+        if parts[2] in _GGUF_MLA:
+            return f"model.layers.{parts[1]}.{_GGUF_MLA[parts[2]]}.{kind}"
+        if parts[2] == "exp_probs_b":  # DeepSeek-V3's routing correction bias
+            return f"model.layers.{parts[1]}.mlp.gate.e_score_correction_bias"
         if parts[2] in _GGUF_EXPERTS and kind == "weight":
             return f"model.layers.{parts[1]}.mlp.experts.{_GGUF_EXPERTS[parts[2]]}"
     return None
@@ -237,6 +246,7 @@ def _iter_gguf(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
     cfg = source.hf_config
     permute = cfg.model_type in ("llama", "mistral", "mixtral")  # llama.cpp's `llama` architecture
     n_head, n_kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    split_kv_b: dict[str, dict[str, torch.Tensor]] = {}
     for tensor in _progress(list(reader.tensors), f"dequantizing {path.name}"):
         hf_name = gguf_to_hf_name(tensor.name)
         if hf_name is None:
@@ -254,7 +264,20 @@ def _iter_gguf(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
             w = _unpermute(w, n_kv)
         elif hf_name.endswith("shared_expert_gate.weight") and w.dim() == 1:  # llama.cpp keeps it (hidden,)
             w = w.unsqueeze(0)
+        elif hf_name.endswith((".k_b_proj.weight", ".v_b_proj.weight")):
+            attn, proj, _ = hf_name.rsplit(".", 2)
+            halves = split_kv_b.setdefault(attn, {})
+            halves[proj[0]] = w  # "k" or "v"
+            if len(halves) == 2:
+                # k_b (heads, kv_lora, nope), stored transposed, and v_b (heads, v, kv_lora): kv_b_proj's
+                # rows are each head's nope rows, then its v rows
+                del split_kv_b[attn]
+                kv_b = torch.cat([halves["k"].transpose(1, 2), halves["v"]], dim=1)
+                yield f"{attn}.kv_b_proj.weight", kv_b.reshape(-1, kv_b.shape[-1])
+            continue
         yield hf_name, w
+    if split_kv_b:
+        raise ConfigError(f"--model: {path} holds only half of the split kv_b_proj of {sorted(split_kv_b)}")
 
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:

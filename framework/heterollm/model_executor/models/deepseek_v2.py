@@ -221,6 +221,8 @@ class DeepseekV2ForCausalLM(MoeWeightsMixin, LlamaForCausalLM):
     layer_class = DeepseekDecoderLayer
     stacked = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     """Only the MLPs merge projections; MLA's q_proj / q_a_proj / kv_a_proj_with_mqa load as they are."""
+    block_aliases = {"shared_expert": "shared_experts"}  # llama.cpp's *_shexp tensors (the loader names them singular)
+    gguf_experts = True  # `deepseek2` files: gguf_cache.deepseek2_config reads their metadata
 
     def __init__(self, hf_config: Any, pctx: ParallelContext, max_positions: int) -> None:
         freq = int(getattr(hf_config, "moe_layer_freq", 1) or 1)
