@@ -2,7 +2,8 @@
 hidden 768, 12 layers, 12 heads / 4 KV heads, 16 experts of 768, top-2, tied 49152-token embedding),
 heterollm against transformers (and vLLM's CPU build where it runs the architecture), same weights,
 same run; then expert parallelism: a decode step at --ep_size 2 against tensor-parallel experts and
-one rank, with the step's time in collectives.
+one rank and against attention data parallelism (--dp_size 2 --ep_size 2), with the step's time in
+collectives.
 
     python bench/moe.py                                  # the table in bench/RESULTS.md
     python bench/moe.py --batches 1 --output-len 8 --skip-ep --peers ""       # a smoke test
@@ -145,7 +146,8 @@ def main() -> int:
     if not args.skip_ep:
         for batch in [int(b) for b in args.ep_batches.split(",")]:
             for label, flags in (("1 rank", {}), ("TP=2 experts", {"tp_size": 2}),
-                                 ("EP=2", {"tp_size": 2, "ep_size": 2})):
+                                 ("EP=2", {"tp_size": 2, "ep_size": 2}),
+                                 ("EP=2, attention DP=2", {"dp_size": 2, "ep_size": 2})):
                 m = decode_steps(folder, batch, args.decode_steps, **flags)
                 ep_rows.append({"batch": batch, "how": label, "step_ms": m["wall"], "forward_ms": m["forward"],
                                 "comm_ms": m["comm"], "comm_share": m["comm"] / m["wall"] if m["wall"] else 0.0})
@@ -154,7 +156,9 @@ def main() -> int:
             f"decode step, {args.decode_steps} steps each, bf16", ep_rows,
             [("batch", "batch", 0), ("how", "experts", 0), ("step_ms", "step ms", 1), ("forward_ms", "forward", 1),
              ("comm_ms", "comm", 1), ("comm_share", "comm share", 2)],
-            notes=["comm: rank 0's wall time in collectives (all-reduce, all-gather, all_to_all), waiting included"])
+            notes=["comm: rank 0's wall time in collectives (all-reduce, all-gather, all_to_all), waiting included; "
+                   "under attention DP the slowest rank's",
+                   "attention DP: each rank runs attention and the dense layers for half of the sequences"])
     common.write_json(args.json, {"machine": common.machine_info(), "model": size, "rows": rows, "ep": ep_rows,
                                   "args": vars(args), "command": common.command_line()})
     return 0
