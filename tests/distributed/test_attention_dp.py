@@ -107,6 +107,7 @@ def test_eplb_counts_add_up_over_the_ranks(tmp_path):
                                             "rank's attention whole"),
     (dict(dp_size=2, ep_size=2, num_speculative_tokens=2, speculative_algorithm="draft_model"),
      "--dp_size=2 with --speculative_algorithm=draft_model"),
+    (dict(dp_size=2, ep_size=2, enable_graph=True), "--enable_graph with attention data parallelism \\(--dp_size=2\\)"),
     (dict(dp_size=2, ep_size=2, enable_attn_dp_weight_sharding=True),
      "--enable_attn_dp_weight_sharding=true: sharding the attention weights over the attention data-parallel ranks"),
 ])
@@ -177,3 +178,26 @@ def test_a_prompt_follows_its_cached_prefix():
     events.allocate("p", 13)
     events.commit("p", prompt, 13)
     assert [e[0] for e in events.take_events()] == ["stored"] and events.take_events() == []
+
+
+def test_preemption_frees_blocks_of_the_rank_that_is_short():
+    """y (rank 0) outgrows its rank's 4 blocks while x (rank 1) has room: y is preempted, not x, whose
+    blocks would not make room for it."""
+    from heterollm.config import load_config
+    from heterollm.interfaces import RunnerOutput
+    from heterollm.scheduler import Scheduler
+    from heterollm.scheduler.request import Request
+
+    s = Scheduler(load_config([], overrides={}).config.scheduler, DataParallelKVCacheManager(2, 8, 4), 256)
+    y = Request("y", list(range(1, 8)), SamplingParams(max_tokens=100))
+    x = Request("x", list(range(1, 4)), SamplingParams(max_tokens=100))
+    s.add(y)
+    s.add(x)
+    for _ in range(20):
+        so = s.schedule()
+        ids = [r.request_id for r in so.requests]
+        s.update(so, RunnerOutput(ids, [[5] if r.sample else [] for r in so.requests], [None] * len(ids),
+                                  [None] * len(ids)))
+        if s.num_preemptions:
+            break
+    assert s.kv.rank_of.get("x") == 1 and (y.num_preemptions, x.num_preemptions) == (1, 0)

@@ -29,9 +29,15 @@ class CpuGraphRunner(GraphRunner):
 
     @classmethod
     def validate(cls, config) -> list[str]:
+        from heterollm.config.checks import attention_dp_size
+
         if config.execution.enable_graph and config.parallel.tp_size > 1:
             return ["--enable_graph with --tp_size > 1 is not supported on CPU yet (each rank would compile the "
                     "step on its own core, and collectives inside the compiled step are untested)"]
+        if config.execution.enable_graph and attention_dp_size(config) > 1:
+            return [f"--enable_graph with attention data parallelism (--dp_size={config.parallel.dp_size}) is not "
+                    f"supported on CPU yet (each rank would compile the step on its own core, and the experts' "
+                    f"all_to_all inside the compiled step is untested)"]
         return []
 
     def __init__(self) -> None:
