@@ -279,6 +279,31 @@ _HF_TO_GGUF_LAYER = {
 }
 
 
+_HF_TO_GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                   "lm_head.weight": "output.weight"}
+
+
+def _add_smollm2_tokenizer(w) -> None:
+    """SmolLM2's tokenizer metadata, copied from its GGUF into the writer `w`."""
+    import gguf
+
+    for key, field in gguf.GGUFReader(str(smollm2_gguf())).fields.items():
+        if key.startswith("tokenizer."):
+            sub = field.types[1] if len(field.types) > 1 else None
+            w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+
+
+def _add_stacked_experts_and_close(w, stacked: dict) -> None:
+    """Each layer's experts as llama.cpp stacks them ((layer, proj) -> {expert: tensor}), then write `w`."""
+    for (layer, proj), experts in sorted(stacked.items()):
+        name = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}[proj]
+        w.add_tensor(f"blk.{layer}.{name}.weight", torch.stack([experts[e] for e in sorted(experts)]).float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def _llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """llama.cpp's converter's q/k row order for its `llama` architecture (the loader undoes it)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -315,12 +340,8 @@ def write_moe_gguf(folder: Path, out: Path, arch: str) -> Path:
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if getattr(cfg, "shared_expert_intermediate_size", 0):
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    for key, field in gguf.GGUFReader(str(smollm2_gguf())).fields.items():
-        if key.startswith("tokenizer."):
-            sub = field.types[1] if len(field.types) > 1 else None
-            w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
+    _add_smollm2_tokenizer(w)
+    top = _HF_TO_GGUF_TOP
     stacked: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
     for name, t in tensors.items():
         if mixtral:
@@ -344,13 +365,7 @@ def write_moe_gguf(folder: Path, out: Path, arch: str) -> Path:
         if module == "mlp.shared_expert_gate":
             t = t.reshape(-1)
         w.add_tensor(f"blk.{layer}.{_HF_TO_GGUF_LAYER[module]}.{kind}", t.float().numpy())
-    for (layer, proj), experts in sorted(stacked.items()):
-        name = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}[proj]
-        w.add_tensor(f"blk.{layer}.{name}.weight", torch.stack([experts[e] for e in sorted(experts)]).float().numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _add_stacked_experts_and_close(w, stacked)
     return out
 
 
@@ -412,12 +427,8 @@ def write_deepseek_gguf(folder: Path, out: Path, split_kv_b: bool = True) -> Pat
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
-    for key, field in gguf.GGUFReader(str(smollm2_gguf())).fields.items():
-        if key.startswith("tokenizer."):
-            sub = field.types[1] if len(field.types) > 1 else None
-            w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
+    _add_smollm2_tokenizer(w)
+    top = _HF_TO_GGUF_TOP
     stacked: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
     heads, nope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
     for name, t in tensors.items():
@@ -441,13 +452,7 @@ def write_deepseek_gguf(folder: Path, out: Path, split_kv_b: bool = True) -> Pat
         else:
             gguf_name = _HF_TO_GGUF_MLA.get(module) or _HF_TO_GGUF_LAYER[module]
             w.add_tensor(f"blk.{layer}.{gguf_name}.{kind}", t.float().numpy())
-    for (layer, proj), experts in sorted(stacked.items()):
-        name = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}[proj]
-        w.add_tensor(f"blk.{layer}.{name}.weight", torch.stack([experts[e] for e in sorted(experts)]).float().numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _add_stacked_experts_and_close(w, stacked)
     return out
 
 

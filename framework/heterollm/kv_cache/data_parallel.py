@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 
-from heterollm.kv_cache.manager import KVCacheManager
+from heterollm.kv_cache.manager import KVCacheManager, PoolGauges
 
 
 class _Tables(Mapping):
@@ -61,7 +61,7 @@ class _Pools:
         return sum(kv.pool.num_cached for kv in self.kv.ranks)
 
 
-class DataParallelKVCacheManager:
+class DataParallelKVCacheManager(PoolGauges):
     def __init__(self, dp_size: int, num_blocks: int, block_size: int, enable_prefix_cache: bool = False,
                  hash_seed: int = 1024, record_events: bool = False, idle_limit: int | None = None) -> None:
         per = num_blocks // dp_size
@@ -95,16 +95,6 @@ class DataParallelKVCacheManager:
         for kv in self.ranks:
             kv.reset_counters()
 
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free
-
-    @property
-    def usage(self) -> float:
-        return 1.0 - self.pool.num_free / self.pool.num_blocks
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
 
     # -- which rank ------------------------------------------------------------------------
     def _held(self, request_id: str) -> int | None:

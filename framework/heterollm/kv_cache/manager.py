@@ -135,7 +135,23 @@ class BlockPool:
             self.events.append(("cleared",))
 
 
-class KVCacheManager:
+class PoolGauges:
+    """What the scheduler and the engine read of a manager's `pool` (num_free, num_blocks) and
+    `block_size`."""
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free / self.pool.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+
+class KVCacheManager(PoolGauges):
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = False,
                  hash_seed: int = 1024, record_events: bool = False, idle_limit: int | None = None) -> None:
         self.block_size = block_size
@@ -162,16 +178,6 @@ class KVCacheManager:
         """Forget the lookups so far (the engine's start-up profile is not traffic)."""
         self.queries = self.hits = 0
 
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free
-
-    @property
-    def usage(self) -> float:
-        return 1.0 - self.pool.num_free / self.pool.num_blocks
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
 
     def same_pool(self, a: str, b: str) -> bool:
         """Whether freeing request `b`'s blocks can make room for request `a` (one pool: always;
