@@ -201,9 +201,8 @@ def test_explicit_bf16_is_refused_at_launch_where_the_device_lacks_it(monkeypatc
 
 # -- defect 6: each tensor-parallel rank bound to its local device and seeded ----------------------
 def tp_config(tp_size: int, nnodes: int = 1, seed: int = 1):
-    from types import SimpleNamespace
-    return SimpleNamespace(parallel=SimpleNamespace(tp_size=tp_size), distributed=SimpleNamespace(nnodes=nnodes),
-                           execution=SimpleNamespace(random_seed=seed))
+    from heterollm.config import load_config
+    return load_config([], overrides={"tp_size": tp_size, "nnodes": nnodes, "random_seed": seed}).config
 
 
 def test_local_rank_honours_launchers_then_the_nodes_share(monkeypatch):
