@@ -193,9 +193,10 @@ WORKS: dict[str, dict[str, str]] = {
     "parallel_tool_calls": {"chat": "false keeps only the first call (required is constrained to one)"},
     "include_reasoning": {"chat": "vLLM's: with --reasoning_parser, false leaves reasoning_content out (without the "
                                   "parser false is a 400)"},
-    "prompt_cache_key": {"chat": "with --dp_size > 1, requests with the same key go to the same replica, so they "
-                                 "share its prefix cache; with one replica the prefix cache already matches every "
-                                 "request's prefix, and the key changes nothing"},
+    "prompt_cache_key": {"chat": "with --dp_size > 1 replicas, requests with the same key go to the same replica, so "
+                                 "they share its prefix cache; with one engine the prefix cache already matches every "
+                                 "request's prefix (under attention data parallelism the engine sends a prompt to the "
+                                 "DP rank caching its prefix), and the key changes nothing"},
 }
 
 
