@@ -233,7 +233,6 @@ class ModelRunner:
                 torch.set_default_dtype(previous)
         if self.pctx.ep_size > 1:
             self._check_expert_parallel(model)
-
         refused = getattr(model, "launch_refused", None)  # e.g. MoE experts: no linear method covers them
         if refused is not None and (reason := refused(self.config.fastdeploy.quantization, quant,
                                                       self.source.gguf_file)):
