@@ -75,6 +75,7 @@ def test_an_idle_rank_and_the_prefix_cache_route(tmp_path):
     assert hits_before == 0 and per_rank_hits[0] >= 32 and per_rank_hits[1] == 0
 
 
+@pytest.mark.slow  # two 2-rank launches
 def test_eplb_counts_add_up_over_the_ranks(tmp_path):
     """Two prompts, one per rank; the short one ends first and its rank then idles, its placeholder
     token not counted as load. The summed counters, and so the placement planned from them, equal the

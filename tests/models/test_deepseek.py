@@ -178,8 +178,8 @@ GGUF_VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", [pytest.param(v, marks=[] if v == "deepseek_v3-yarn" else pytest.mark.slow)
-                                     for v in sorted(GGUF_VARIANTS)])  # ~15 s each: one in the default run
+@pytest.mark.slow  # ~15 s each
+@pytest.mark.parametrize("variant", sorted(GGUF_VARIANTS))
 def test_gguf_files_load_like_the_safetensors_folder(tmp_path, variant, monkeypatch):
     """A `deepseek2` GGUF file (transformers reads no config for it: gguf_cache builds it from the
     metadata) gives transformers' greedy tokens on the folder and the same parameters."""
