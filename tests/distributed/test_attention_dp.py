@@ -49,6 +49,32 @@ def test_attention_dp_equals_one_rank(tmp_path, family):
     assert block == one_rank_block
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_sharded_attention_weights_give_the_same_tokens(tmp_path, family):
+    """--enable_attn_dp_weight_sharding: each rank keeps half of every attention weight's rows and
+    gathers them per layer (an idle rank too: one prompt leaves rank 1 idle while the other runs)."""
+    folder = build_tiny_model(tmp_path / family, family)
+    prompts = [PARALLEL_PROMPTS[1], PARALLEL_PROMPTS[0]]
+    params = [GREEDY, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=1)]
+    runs = {}
+    for name, flags in (("one", {}), ("whole", DP), ("sharded", {**DP, "enable_attn_dp_weight_sharding": True})):
+        llm = LLM(str(folder), **FLAGS, **flags)
+        try:
+            runs[name] = tokens_and_logprobs(llm.generate(prompts, params))
+            weights = [m.weights for m in llm.engine.executor.memory_profile()]
+        finally:
+            llm.shutdown()
+        runs[name + "_weights"] = weights
+    assert runs["sharded"][0] == runs["one"][0] == runs["whole"][0]
+    assert runs["sharded"][1] == pytest.approx(runs["one"][1], abs=1e-4)
+    # float32: q/k/v and o of 2 layers (Qwen3-MoE: 64 x 64 + 2 x 32 x 64 + 64 x 64 each), half on each rank
+    attention = {"qwen3_moe": 2 * (64 * 64 + 2 * 32 * 64 + 64 * 64) * 4}.get(family)
+    saved = [w - s for w, s in zip(runs["whole_weights"], runs["sharded_weights"])]
+    assert all(s > 0 for s in saved), saved
+    if attention is not None:
+        assert saved == [attention // 2] * 2
+
+
 def test_an_idle_rank_and_the_prefix_cache_route(tmp_path):
     folder = build_tiny_model(tmp_path / "qwen3_moe", "qwen3_moe")
     long_prompt, other = list(range(100, 140)), list(range(300, 330))
@@ -108,8 +134,8 @@ def test_eplb_counts_add_up_over_the_ranks(tmp_path):
     (dict(dp_size=2, ep_size=2, num_speculative_tokens=2, speculative_algorithm="draft_model"),
      "--dp_size=2 with --speculative_algorithm=draft_model"),
     (dict(dp_size=2, ep_size=2, enable_graph=True), "--enable_graph with attention data parallelism \\(--dp_size=2\\)"),
-    (dict(dp_size=2, ep_size=2, enable_attn_dp_weight_sharding=True),
-     "--enable_attn_dp_weight_sharding=true: sharding the attention weights over the attention data-parallel ranks"),
+    (dict(dp_size=2, ep_size=2, enable_attn_dp_weight_sharding=True, dynamic_load_weight=1),
+     "--enable_attn_dp_weight_sharding with --dynamic_load_weight: reloading weights into sharded attention"),
 ])
 def test_refusals_name_the_flag(tmp_path, flags, needle):
     folder = build_tiny_model(tmp_path / "qwen3_moe", "qwen3_moe")

@@ -77,8 +77,9 @@ def test_fused_expert_tensors_shard_by_expert(tmp_path):
      "--expert_parallel_degree=4: disagrees with --ep_size=2"),
     ("llama", {"tp_size": 2, "ep_size": 2}, "--ep_size=2: LlamaForCausalLM has no experts to shard"),
     ("mixtral", {"tp_size": 2, "ep_size": 2, "_experts": 3}, "--ep_size=2 does not divide the 3 routed experts"),
-    ("qwen3_moe", {"enable_attn_dp_weight_sharding": True}, "--enable_attn_dp_weight_sharding=true: sharding the "
-                                                            "attention weights over the attention data-parallel ranks"),
+    ("qwen3_moe", {"enable_attn_dp_weight_sharding": True}, "--enable_attn_dp_weight_sharding: shards the attention "
+                                                            "weights over the attention data-parallel ranks; set "
+                                                            "--dp_size"),
 ])
 def test_sizes_that_cannot_shard_name_the_flag(tmp_path, family, flags, needle):
     flags = dict(flags)

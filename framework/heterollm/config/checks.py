@@ -98,6 +98,13 @@ def expert_parallel_problems(config: HeterollmConfig) -> list[str]:
     if dp > 1 and sp.num_speculative_tokens > 0 and sp.speculative_algorithm == "draft_model":
         problems.append(f"--dp_size={dp} with --speculative_algorithm=draft_model: the draft model's forward is not "
                         f"split over the attention data-parallel ranks; use Suffix or ngram speculation")
+    if config.execution.enable_attn_dp_weight_sharding:
+        if dp == 1:
+            problems.append("--enable_attn_dp_weight_sharding: shards the attention weights over the attention "
+                            "data-parallel ranks; set --dp_size with --ep_size = --dp_size (a MoE model) too")
+        elif config.fastdeploy.dynamic_load_weight:
+            problems.append("--enable_attn_dp_weight_sharding with --dynamic_load_weight: reloading weights into "
+                            "sharded attention weights is not built")
     if dp > 1 and tp > 1:
         problems.append(f"--dp_size={dp} with {flag}: attention data parallelism runs each DP rank's attention "
                         f"whole (--tp_size 1, --ep_size = --dp_size); tensor parallelism inside a DP rank "

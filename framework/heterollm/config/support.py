@@ -54,9 +54,6 @@ def _planned(names: str, reason: str, ok: tuple[Any, ...] = ()) -> None:
 _planned("backend", "vlm and dit backends; --backend=llm is accepted", ok=("llm",))
 _planned("cp_size kv_split_size "
          "worker_memory_master_node_addr enable_dp_fair_token_budget", "the parallelism issue")
-RULES["enable_attn_dp_weight_sharding"] = Rule(
-    "sharding the attention weights over the attention data-parallel ranks is not built: under attention DP "
-    "(--dp_size with --ep_size = --dp_size) each rank holds the attention weights whole")
 _planned("graph_optimization_config "
          "enable_shm use_contiguous_input_buffer input_shm_size output_shm_size",
          "the accelerator backends issue")

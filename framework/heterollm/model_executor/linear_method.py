@@ -77,7 +77,8 @@ def prepare_linears(model: nn.Module, method: LinearMethod | None) -> int:
     a quantized checkpoint (no float `weight`) are quant_linear's `prepare_quantized`'s."""
     if method is None:
         return 0
-    layers = [m for m in model.modules() if isinstance(m, LinearBase) and m.weight is not None]
+    layers = [m for m in model.modules() if isinstance(m, LinearBase) and m.weight is not None
+              and not getattr(m, "dp_sharded", False)]  # gathered by rows at each use (weight_sharding.py)
     users: dict[int, int] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):

@@ -26,6 +26,7 @@ from heterollm.model_executor.moe import FusedMoE, prepare_experts
 from heterollm.model_executor.parallel import ParallelContext
 from heterollm.model_executor.quant_linear import attach_quantized, checkpoint_methods, prepare_quantized
 from heterollm.model_executor.registry import get_model_class
+from heterollm.model_executor.weight_sharding import shard_attention_weights
 from heterollm.model_executor.weight_update import WeightUpdate, WeightUpdateError
 from heterollm.pooling.pooler import Pooler
 from heterollm.sampling.sampler import Sampler, SamplingRow, gather_logprobs, wants_logprobs
@@ -251,6 +252,10 @@ class ModelRunner:
         if missing:
             shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
             raise ConfigError(f"--model: {where} is missing weights: {shown} (truncated or incomplete checkpoint?)")
+        if self.config.execution.enable_attn_dp_weight_sharding:
+            saved = shard_attention_weights(model, self.pctx)
+            logger.info("--enable_attn_dp_weight_sharding: this rank keeps 1/%d of the attention weights (%.1f MiB "
+                        "less), gathered layer by layer", self.pctx.dp_size, saved / 2**20)
         try:
             prepare_linears(model, method)
             if method is not None and (self.config.fastdeploy.quantization or self._prepack_experts()):
