@@ -4,7 +4,7 @@ and the dense layers for them alone; the experts are sharded over both ranks and
 through the Communicator's all_to_all. Greedy tokens and logprobs equal the single-rank run (MLA
 included); a rank without a request in a step still joins the experts' exchange; a prompt goes to
 the rank whose prefix cache holds it; EPLB's counters add up over the ranks and do not count the
-idle rank's token; the refusals. The KV manager's split, by hand: tests/kv_cache/test_data_parallel.py."""
+idle rank's token; the refusals. The KV manager's split, by hand: tests/kv_cache/test_dp_kv_manager.py."""
 from __future__ import annotations
 
 import pytest
