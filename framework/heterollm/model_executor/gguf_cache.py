@@ -119,17 +119,20 @@ def deepseek2_config(gguf_file: Path) -> Any:
         qk_nope_head_dim=int(key_mla if key_mla is not None else value("attention.key_length")) - rope,
         v_head_dim=int(value_mla if value_mla is not None else value("attention.value_length")),
         n_routed_experts=experts, num_experts_per_tok=int(value("expert_used_count")),
-        n_shared_experts=int(value("expert_shared_count", 0)), first_k_dense_replace=int(value("leading_dense_block_count", 0)),
-        routed_scaling_factor=float(value("expert_weights_scale", 1.0)), norm_topk_prob=bool(value("expert_weights_norm", False)),
+        n_shared_experts=int(value("expert_shared_count", 0)),
+        first_k_dense_replace=int(value("leading_dense_block_count", 0)),
+        routed_scaling_factor=float(value("expert_weights_scale", 1.0)),
+        norm_topk_prob=bool(value("expert_weights_norm", False)),
         n_group=value("expert_group_count"), topk_group=value("expert_group_used_count"),
         tie_word_embeddings="output.weight" not in names, bos_token_id=value("tokenizer.ggml.bos_token_id"),
         eos_token_id=value("tokenizer.ggml.eos_token_id"), hidden_act="silu")
     theta = float(value("rope.freq_base", 10000.0))
     if value("rope.scaling.type") == "yarn":
         mscale = 10 * float(value("rope.scaling.yarn_log_multiplier", 0.0))
+        original = int(value("rope.scaling.original_context_length"))
         common["rope_parameters"] = {"rope_type": "yarn", "rope_theta": theta, "factor": float(value("rope.scaling.factor")),
-                                     "original_max_position_embeddings": int(value("rope.scaling.original_context_length")),
-                                     "mscale": mscale, "mscale_all_dim": mscale, "beta_fast": 32.0, "beta_slow": 1.0}
+                                     "original_max_position_embeddings": original, "mscale": mscale,
+                                     "mscale_all_dim": mscale, "beta_fast": 32.0, "beta_slow": 1.0}
     else:
         common["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
     if int(value("expert_gating_func", 1)) == 2:
