@@ -473,3 +473,100 @@ def greedy_run(folder: Path, max_tokens: int = 12, **flags) -> tuple[list[list[i
     finally:
         llm.shutdown()
     return [o.outputs[0].token_ids for o in outs], [lp.logprob for o in outs for lp in o.outputs[0].logprobs]
+
+
+# -- vision-language models (tests/multimodal) -------------------------------------------------
+VLM_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] in ('image', 'image_url') %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+VLM_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+VLM_FAMILIES = {"qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
+                "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration")}
+
+
+def build_tiny_vlm(folder: Path, family: str, seed: int = 0) -> Path:
+    """A tiny random Qwen2-VL / Qwen2.5-VL (2 text layers, 2 vision blocks; Qwen2.5-VL with windows
+    of 2 x 2 merged patches and one full-attention block) with SmolLM2's tokenizer plus the vision
+    tokens, transformers' own processor (images of 4 to 64 merged patches) and a chat template that
+    renders image parts as the placeholder."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf().parent), gguf_file=smollm2_gguf().name)
+    tok.add_special_tokens({"additional_special_tokens": VLM_TOKENS})
+    ids = tok.convert_tokens_to_ids(VLM_TOKENS)
+    cfg_name, model_name = VLM_FAMILIES[family]
+    text = {"vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            "eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id}
+    if family == "qwen2_vl":
+        vision = {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2}
+    else:
+        vision = {"depth": 3, "hidden_size": 32, "out_hidden_size": 64, "intermediate_size": 48, "num_heads": 2,
+                  "window_size": 56, "fullatt_block_indexes": [1]}
+    cfg = getattr(transformers, cfg_name)(
+        text_config=text, vision_config=vision, vision_start_token_id=ids[0], vision_end_token_id=ids[1],
+        image_token_id=ids[2], video_token_id=ids[3], tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    # transformers' Qwen2VLProcessor needs torchvision for its video half, which this machine's torch
+    # build lacks: the folder holds the image processor's and the tokenizer's files, as checkpoints do
+    transformers.Qwen2VLImageProcessor(min_pixels=4 * 28 * 28, max_pixels=64 * 28 * 28).save_pretrained(folder)
+    tok.chat_template = VLM_CHAT_TEMPLATE
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_image(width: int, height: int, seed: int = 0):
+    """A random RGB PIL image."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def hf_vlm_processor(folder: Path):
+    """transformers' own Qwen2VLProcessor over the folder's image processor and tokenizer, built
+    without its video processor (which needs torchvision)."""
+    from unittest import mock
+
+    import transformers
+    from transformers.processing_utils import ProcessorMixin
+
+    with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", lambda *a, **k: None):
+        return transformers.Qwen2VLProcessor(image_processor=transformers.AutoImageProcessor.from_pretrained(str(folder)),
+                                             tokenizer=transformers.AutoTokenizer.from_pretrained(str(folder)),
+                                             video_processor=None)
+
+
+@functools.lru_cache(maxsize=2)
+def _hf_vlm(folder: str):
+    import transformers
+    return transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def hf_vlm_greedy(folder: Path, prompt: str, images: list, max_new_tokens: int) -> tuple[list[int], list[int], torch.Tensor]:
+    """transformers' own processor and generate on one prompt with images: (prompt ids, greedy new
+    tokens, the log-softmax of each generated token's distribution)."""
+    processor = hf_vlm_processor(folder)
+    inputs = processor(text=[prompt], images=images or None, return_tensors="pt")
+    model = _hf_vlm(str(folder))
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens,
+                             output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    ids = inputs["input_ids"][0].tolist()
+    new = out.sequences[0, len(ids):].tolist()
+    logprobs = torch.stack([s[0].float().log_softmax(-1) for s in out.scores])
+    return ids, new, logprobs

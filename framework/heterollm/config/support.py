@@ -29,7 +29,8 @@ def _rules(names: str, reason: str, ok: tuple[Any, ...] = ()) -> dict[str, Rule]
 
 
 DIT = "DiT (diffusion) models only; heterollm serves text LLMs"
-MULTIMODAL = "multimodal models are not supported yet"
+AUDIO = ("audio input: no family heterollm serves takes audio (Qwen2-VL and Qwen2.5-VL take images); "
+         "an audio or video part of a request is refused with HTTP 400")
 NO_EQUIVALENT = "FastDeploy-internal; heterollm has no such component"
 IN_PROCESS = ("xLLM's bRPC handler thread pools have no equivalent: heterollm's API server handles requests on one "
               "asyncio loop and each engine-core process's outputs on one receiver thread")
@@ -37,12 +38,8 @@ IN_PROCESS = ("xLLM's bRPC handler thread pools have no equivalent: heterollm's 
 RULES: dict[str, Rule] = {
     **_rules("sp_size cfg_size vae_size max_requests_per_batch " + " ".join(
         n for n in DiTConfig.model_fields if n.startswith("dit_")), DIT),
-    **_rules("limit_image_per_prompt max_encoder_cache_size enable_return_mm_full_embeddings mm_download_headers "
-             "use_audio_in_video audio_max_upload_file_mb audio_max_decode_duration_s enable_mm_encoder_dp "
-             "enable_return_embedding_modality_tags mm_processor_kwargs limit_mm_per_prompt enable_mm", MULTIMODAL),
+    **_rules("use_audio_in_video audio_max_upload_file_mb audio_max_decode_duration_s", AUDIO),
     **_rules("cache_queue_port", NO_EQUIVALENT),
-    "task": Rule("mm_embed embeds multimodal inputs; multimodal models are not supported yet (generate and embed "
-                 "work)", ok_values=("embed",)),
     **_rules("num_threads num_request_handling_threads num_response_handling_threads", IN_PROCESS),
 }
 
@@ -51,7 +48,11 @@ def _planned(names: str, reason: str, ok: tuple[Any, ...] = ()) -> None:
     RULES.update(_rules(names, f"not built yet ({reason})", ok))
 
 
-_planned("backend", "vlm and dit backends; --backend=llm is accepted", ok=("llm",))
+_planned("enable_return_mm_full_embeddings enable_return_embedding_modality_tags", "multimodal embeddings (the "
+         "vision encoder's and the sequence's embeddings returned); vision-language generation works")
+_planned("task", "--task=mm_embed, multimodal embeddings; generate and embed work", ok=("embed",))
+_planned("backend", "the dit backend (diffusion models); --backend=llm and --backend=vlm are accepted",
+         ok=("llm", "vlm"))
 _planned("cp_size kv_split_size "
          "worker_memory_master_node_addr enable_dp_fair_token_budget", "the parallelism issue")
 _planned("graph_optimization_config "

@@ -15,6 +15,7 @@ from heterollm.engine.llm_engine import LLMEngine
 from heterollm.engine.outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
 from heterollm.interfaces import TokenLogprobs
 from heterollm.model_executor.weight_update import WeightUpdate
+from heterollm.multimodal.processor import split_images
 from heterollm.pooling import PoolingParams
 from heterollm.pooling.scoring import cosine, pair_ids, pair_up
 from heterollm.sampling import SamplingParams
@@ -61,8 +62,19 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(items)
         if len(priorities) != len(items):
             raise ValueError(f"priority: {len(priorities)} given for {len(items)} prompts")
-        encoded = [self.engine.tokenize_prompt(p) for p in items]  # validate all before admitting any
-        return self._run([(text, ids, sp) for (text, ids), sp in zip(encoded, params)], priorities)
+        encoded = [self._encode(p) for p in items]  # validate all (and load their images) before admitting any
+        return self._run([(text, ids, sp) for (text, ids, _), sp in zip(encoded, params)], priorities,
+                         mm_items=[mm for _, _, mm in encoded])
+
+    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int], list[Any] | None]:
+        """(text, ids) of a prompt; a dict's `multi_modal_data` ({"image": [...]}: PIL images, bytes,
+        data: or http(s) URLs; one `<|vision_start|><|image_pad|><|vision_end|>` per image in the prompt)
+        is loaded and preprocessed here: (text, expanded ids, its items or None)."""
+        text, ids = self.engine.tokenize_prompt(prompt)
+        if not (isinstance(prompt, dict) and prompt.get("multi_modal_data")):
+            return text, ids, None
+        ids, items = self.engine.multimodal.admit(ids, prompt["multi_modal_data"], prompt.get("mm_processor_kwargs"))
+        return text, ids, items
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | None = None, chat_template: str | None = None,
@@ -70,12 +82,17 @@ class LLM:
         """Apply the model's chat template (or `chat_template`) to one conversation or a list of them."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         sp = sampling_params or self._default_params()
-        batch = []
+        batch, mm_items = [], []
         for conv in convs:
+            conv, images = split_images(conv)
             ids = self.engine.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
                                                             chat_template=chat_template, **template_kwargs)
+            items = None
+            if images:
+                ids, items = self.engine.multimodal.admit(ids, {"image": images}, field="messages")
             batch.append((None, ids, sp))
-        return self._run(batch)
+            mm_items.append(items)
+        return self._run(batch, mm_items=mm_items)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search (vLLM's `LLM.beam_search`): per prompt, the best `params.beam_width` sequences,
@@ -133,7 +150,8 @@ class LLM:
                 for i in range(len(pairs))]
 
     def _run(self, batch: list[tuple[str | None, list[int], SamplingParams | None]],
-             priorities: list[int] | None = None, pooling: PoolingParams | None = None) -> list[RequestOutput]:
+             priorities: list[int] | None = None, pooling: PoolingParams | None = None,
+             mm_items: list[Any] | None = None) -> list[RequestOutput]:
         self._compile_grammars([sp for _, _, sp in batch if sp is not None])
         order = []
         try:
@@ -141,7 +159,8 @@ class LLM:
                 self._counter += 1
                 rid = f"offline-{self._counter}"
                 self.engine.add_request(text if text is not None else ids, sp, request_id=rid, prompt_token_ids=ids,
-                                        priority=priorities[i] if priorities else 0, pooling=pooling)
+                                        priority=priorities[i] if priorities else 0, pooling=pooling,
+                                        mm_items=mm_items[i] if mm_items else None)
                 order.append(rid)
         except Exception:
             for rid in order:

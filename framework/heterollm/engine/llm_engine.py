@@ -30,6 +30,8 @@ from heterollm.model_executor.loader import ModelSource, resolve_model
 from heterollm.model_executor.registry import check_model_support
 from heterollm.model_executor.runner import LaunchContext, model_max_len, resolve_dtype
 from heterollm.model_executor.weight_update import WeightUpdate, WeightUpdateError
+from heterollm.multimodal import MultiModalItem
+from heterollm.multimodal.processor import MultiModalInputs
 from heterollm.plugins import make_plugin_manager
 from heterollm.plugins.launch import launch_selection
 from heterollm.pooling import PoolingParams
@@ -166,6 +168,9 @@ class LLMEngine:
         self.vocab_size = self.source.hf_config.vocab_size
         self.pooling = build_setup(config, self.source.hf_config, self.source.folder, self.tokenizer.hf,
                                    (self.source.architectures or [""])[0])
+        self.multimodal = MultiModalInputs.for_launch(config, self.source, self.tokenizer.hf)
+        """Images with a prompt (`multi_modal_data`): loaded and preprocessed here offline; under
+        `heterollm serve` the API server does it and hands the items in (add_request's mm_items)."""
         """What this launch serves: generation, embeddings, scores (--task, --enable_qwen3_reranker)."""
         kvc = config.kv_cache
         idle_limit = None
@@ -272,7 +277,8 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int] | dict[str, Any], params: SamplingParams | None = None,
                     request_id: str | None = None, prompt_token_ids: list[int] | None = None,
-                    priority: int = 0, ttft_slo_ms: int | None = None, pooling: PoolingParams | None = None) -> str:
+                    priority: int = 0, ttft_slo_ms: int | None = None, pooling: PoolingParams | None = None,
+                    mm_items: list[MultiModalItem] | None = None) -> str:
         """Admit a request (raises RequestRejected naming the bad field; nothing is admitted then).
 
         `pooling`: an embedding or scoring request (heterollm.pooling): its prompt runs like any
@@ -282,7 +288,11 @@ class LLMEngine:
 
         `priority` (lower first) needs --priority_strategy=priority; `ttft_slo_ms` is the time to first
         token the request asks for: the deadline under --priority_strategy=deadline, and counted as
-        missed (RequestMetrics.ttft_slo_missed) under every strategy when the first token is later."""
+        missed (RequestMetrics.ttft_slo_missed) under every strategy when the first token is later.
+
+        Images: a prompt dict's `multi_modal_data` ({"image": [...]}) and `mm_processor_kwargs`, one
+        placeholder per image in the prompt (heterollm.multimodal); or `mm_items` already processed
+        (with `prompt_token_ids` already expanded), as the API server sends them."""
         self._check_scheduling_fields(priority, ttft_slo_ms)
         params, pooling = self._task_params(params, pooling)
         request_id = request_id or uuid.uuid4().hex
@@ -292,6 +302,10 @@ class LLMEngine:
             text, ids = (prompt if isinstance(prompt, str) else None), list(prompt_token_ids)
         else:
             text, ids = self.tokenize_prompt(prompt)
+        if mm_items is None and isinstance(prompt, dict) and (prompt.get("multi_modal_data") or self.multimodal.processor):
+            ids, mm_items = self.multimodal.admit(ids, prompt.get("multi_modal_data"), prompt.get("mm_processor_kwargs"))
+        if mm_items and params is not None and params.truncate_prompt_tokens is not None:
+            raise RequestRejected("truncate_prompt_tokens", "cannot cut a prompt that carries images")
         params, ids = admit_params(params, ids, self._admission_limits())  # the request's own copy
         now = time.monotonic()
         parent = _Parent(request_id, text, ids, params, now)
@@ -300,7 +314,8 @@ class LLMEngine:
         for i in range(params.num_sequences):
             rid = request_id if params.num_sequences == 1 else f"{request_id}#{i}"
             req = Request(rid, ids, params, arrival_time=now, seed_offset=i, max_model_len=self.max_model_len,
-                          priority=priority, ttft_slo_ms=ttft_slo_ms, grammar=grammars[i], pooling=pooling)
+                          priority=priority, ttft_slo_ms=ttft_slo_ms, grammar=grammars[i], pooling=pooling,
+                          mm_items=mm_items or None)
             children.append(_Child(req, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens), i))
         added = []
         try:

@@ -51,6 +51,10 @@ class ScheduledRequest:
     spec_parents: list[int] | None = None
     """Tree speculation: each draft's parent among the drafts (-1: the token before them), in
     depth-first order; None: the drafts are one path."""
+    mm_items: list[Any] | None = None
+    """Multimodal input (heterollm.multimodal.MultiModalItem): every image of the request's prompt,
+    sent with each step that computes prompt tokens (the runner encodes those the step reaches and
+    takes the rotary positions of the whole prompt from them); None otherwise."""
 
 
 @dataclass

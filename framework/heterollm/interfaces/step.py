@@ -28,8 +28,13 @@ class StepInputs:
     input_ids: torch.Tensor
     """(num_tokens,) the new tokens of every sequence, flattened in sequence order."""
     positions: torch.Tensor
-    """(num_tokens,) each token's position in its sequence."""
+    """(num_tokens,) each token's position in its sequence; (3, num_tokens) temporal / height / width
+    positions (M-RoPE) for a step computing a vision-language model's image-bearing prompt."""
     ctx: ForwardContext
+    inputs_embeds: torch.Tensor | None = None
+    """(num_tokens, hidden): the input embeddings, image placeholders replaced by the vision
+    encoder's outputs, when the step holds image tokens (the model skips its embedding lookup);
+    such steps, like those with (3, num_tokens) positions, run eagerly, never through a graph."""
 
     @property
     def num_tokens(self) -> int:

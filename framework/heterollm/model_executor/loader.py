@@ -106,10 +106,23 @@ def _load_config(folder: Path, gguf_file: Path | None) -> Any:
     try:
         if gguf_file is not None:
             return gguf_cache.load_config(gguf_file)
-        return AutoConfig.from_pretrained(str(folder))
+        return hoist_text_config(AutoConfig.from_pretrained(str(folder)))
     except Exception as exc:  # transformers raises ValueError/KeyError/OSError/JSON errors here
         raise ConfigError(f"--model: cannot read the model config from {where}: {type(exc).__name__}: "
                           f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+
+
+def hoist_text_config(hf_config: Any) -> Any:
+    """A vision-language config (Qwen2-VL: `text_config` + `vision_config`) answers the language
+    model's attributes at its top level too (hidden_size, vocab_size, eos_token_id, ...), as the
+    engine reads them for any model; attributes the top level already has stay."""
+    text = getattr(hf_config, "text_config", None)
+    if text is None or getattr(hf_config, "vision_config", None) is None:
+        return hf_config
+    for key, value in text.to_dict().items():
+        if key not in ("architectures", "model_type", "transformers_version") and not hasattr(hf_config, key):
+            setattr(hf_config, key, getattr(text, key, value))
+    return hf_config
 
 
 def _progress(items: list, desc: str):

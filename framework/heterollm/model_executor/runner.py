@@ -21,6 +21,7 @@ from heterollm.model_executor.linear_method import (model_bytes, prepare_linears
                                                      select_linear_method, unpack_for_reload)
 from heterollm.model_executor.checkpoint_slice import ReadStats
 from heterollm.model_executor.layers import cache_layout
+from heterollm.model_executor.mm_encoder import MultiModalRunner
 from heterollm.model_executor.loader import ModelSource, iter_weights
 from heterollm.model_executor.moe import FusedMoE, prepare_experts
 from heterollm.model_executor.parallel import ParallelContext
@@ -209,6 +210,8 @@ class ModelRunner:
         self.checkpoint_reads = ReadStats()
         self.drafter: Any = None
         """Speculative decoding with a draft model (spec_decode/draft.py): loaded with the target."""
+        self.mm: MultiModalRunner | None = None
+        """A vision-language model's encoder, encoder cache and M-RoPE positions (mm_encoder.py)."""
 
     # -- set-up ----------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -265,6 +268,9 @@ class ModelRunner:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.model = model.eval()
+        if hasattr(model, "encode_images"):
+            self.mm = MultiModalRunner(model, self.config.model.max_encoder_cache_size * 2**20, self.pctx,
+                                       self.config.parallel.enable_mm_encoder_dp)
         self.weight_bytes = model_bytes(model)
         self.load_seconds = time.perf_counter() - started
         self.checkpoint_reads = reads
@@ -387,6 +393,8 @@ class ModelRunner:
 
     # -- one step --------------------------------------------------------------------------
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        if inputs.inputs_embeds is not None:
+            return self.model(inputs.input_ids, inputs.positions, inputs.ctx, inputs_embeds=inputs.inputs_embeds)
         return self.model(inputs.input_ids, inputs.positions, inputs.ctx)
 
     def _generator(self, r: ScheduledRequest) -> torch.Generator | None:
@@ -413,6 +421,8 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.forget(so.finished_request_ids)
         self.pooler.forget(so.finished_request_ids)
+        if self.mm is not None:
+            self.mm.forget(so.finished_request_ids)
         reqs = so.requests
         if not reqs:
             return RunnerOutput([], [], [], [])
@@ -424,8 +434,13 @@ class ModelRunner:
         t0 = time.perf_counter()
         comm0 = getattr(self.pctx.communicator, "seconds", None)
         inputs = self._prepare(reqs)
+        if self.mm is not None:
+            inputs = self.mm.prepare(reqs, inputs)
         t1 = time.perf_counter()
-        hidden = self.graph_runner.run(self._forward, inputs)
+        if inputs.inputs_embeds is not None or inputs.positions.dim() == 2:  # image tokens: never a graph
+            hidden = self._forward(inputs)
+        else:
+            hidden = self.graph_runner.run(self._forward, inputs)
         t2 = time.perf_counter()
         ends = torch.tensor([len(r.new_token_ids) for r in reqs]).cumsum(0).tolist()
         sampled = self._sample(reqs, hidden, ends, so.grammar_bitmask)

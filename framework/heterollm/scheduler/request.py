@@ -77,6 +77,9 @@ class Request:
     """Drafts the request's steps verified."""
     num_accepted_tokens: int = 0
     """Of those, accepted."""
+    mm_items: list[Any] | None = None
+    """Multimodal input: the prompt's images (heterollm.multimodal.MultiModalItem), handed to the
+    runner with every step that computes prompt tokens; None for a text-only request."""
 
     @functools.cached_property
     def sampling_info(self) -> SamplingInfo:
@@ -94,6 +97,19 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def cache_token_ids(self) -> list[int]:
+        """What the prefix cache hashes: all_token_ids, with each image's placeholders named by the
+        image's content (heterollm.multimodal.cache_token_ids)."""
+        if not self.mm_items:
+            return self.all_token_ids
+        return self._cache_prompt_ids + self.output_token_ids
+
+    @functools.cached_property
+    def _cache_prompt_ids(self) -> list[int]:
+        from heterollm.multimodal import cache_token_ids
+        return cache_token_ids(self.prompt_token_ids, self.mm_items or ())
 
     @property
     def num_total_tokens(self) -> int:

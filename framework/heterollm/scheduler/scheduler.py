@@ -346,7 +346,7 @@ class Scheduler:
         needs every prompt position computed (prompt logprobs, MEAN or CLS pooling), or it is part way in)."""
         if not self.kv.enable_prefix_cache or request.num_computed_tokens or request.needs_every_position:
             return request.num_computed_tokens
-        return self.kv.match_prefix(request.request_id, request.all_token_ids)
+        return self.kv.match_prefix(request.request_id, request.cache_token_ids)
 
     def _rematch(self, request: Request) -> None:
         """`--chunked_match_frequency N`: before every Nth further chunk of a chunked prefill, adopt the
@@ -357,7 +357,7 @@ class Scheduler:
         if (not kv.enable_prefix_cache or request.needs_every_position or done % kv.block_size
                 or request.num_prefill_chunks % self.config.chunked_match_frequency):
             return
-        extra = kv.match_prefix(request.request_id, request.all_token_ids, start_block=done // kv.block_size)
+        extra = kv.match_prefix(request.request_id, request.cache_token_ids, start_block=done // kv.block_size)
         if extra and kv.allocate(request.request_id, done + extra) is not None:
             request.num_computed_tokens += extra
             request.num_cached_tokens = (request.num_cached_tokens or 0) + extra
@@ -369,7 +369,7 @@ class Scheduler:
         same step may already share them."""
         end = request.num_computed_tokens + num_new
         if self.in_batch_prefix_cache and end <= request.num_tokens and self.kv.commit_due(request.request_id, end):
-            self.kv.commit(request.request_id, request.all_token_ids, end)
+            self.kv.commit(request.request_id, request.cache_token_ids, end)
 
     def _decoding(self, scheduled: dict[str, int]) -> bool:
         first = next(iter(scheduled))
@@ -397,6 +397,7 @@ class Scheduler:
                 request_id=request_id, new_token_ids=tokens, num_computed_tokens=start,
                 block_ids=list(self.kv.tables[request_id]), sample=sample, sampling=r.sampling_info,
                 output_token_ids=r.output_token_ids, prompt_token_ids=r.prompt_token_ids, pooling=r.pooling,
+                mm_items=r.mm_items if r.mm_items and start < r.num_prompt_tokens else None,
                 want_prompt_logprobs=r.params.prompt_logprobs is not None
                 and start < r.num_prompt_tokens - 1 and min(start + num_new, r.num_prompt_tokens - 1) >= self._have(r))
             items.append(item)
@@ -465,7 +466,7 @@ class Scheduler:
             # accepted drafts are known tokens now: the blocks they complete can be cached
             if (r.status is RequestStatus.RUNNING and r.num_computed_tokens >= end
                     and self.kv.commit_due(r.request_id, end)):
-                self.kv.commit(r.request_id, r.all_token_ids, end)
+                self.kv.commit(r.request_id, r.cache_token_ids, end)
             if item.num_spec_tokens and r.status is RequestStatus.RUNNING:
                 self.kv.trim(r.request_id, r.num_tokens + self.lookahead)  # the rejected drafts' slots
         return changed

@@ -23,5 +23,8 @@ CORE_BACKEND = Backend(
         "MistralForSequenceClassification": "heterollm.model_executor.models.llama:LlamaForSequenceClassification",
         "Qwen2ForSequenceClassification": "heterollm.model_executor.models.llama:Qwen2ForSequenceClassification",
         "Qwen3ForSequenceClassification": "heterollm.model_executor.models.llama:Qwen3ForSequenceClassification",
+        "Qwen2VLForConditionalGeneration": "heterollm.model_executor.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+        "Qwen2_5_VLForConditionalGeneration":
+            "heterollm.model_executor.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
     },
 )
