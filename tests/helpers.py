@@ -528,7 +528,7 @@ def build_tiny_vlm(folder: Path, family: str, seed: int = 0) -> Path:
     return folder
 
 
-def test_image(width: int, height: int, seed: int = 0):
+def random_image(width: int, height: int, seed: int = 0):
     """A random RGB PIL image."""
     import numpy as np
     from PIL import Image
