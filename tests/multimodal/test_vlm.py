@@ -204,3 +204,23 @@ def test_vlm_launch_flags(vlm):
                          ({"use_audio_in_video": True}, "no family heterollm serves takes audio")]:
         with pytest.raises((ConfigError, LaunchError), match=words.replace("-", r"\-")):
             LLM(str(vlm), **FLAGS, **flags)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("encoder_dp", [False, True])
+def test_tensor_parallel_matches_transformers(tmp_path_factory, encoder_dp):
+    """--tp_size 2: the decoder sharded, the vision tower on both ranks; with --enable_mm_encoder_dp
+    the three images of the batch are split 2 / 1 between the ranks and all-gathered."""
+    from heterollm import LLM, SamplingParams
+
+    folder = build_tiny_vlm(tmp_path_factory.mktemp("tp"), "qwen2_5_vl")
+    prompts = [(chat_prompt(IMAGE_PLACEHOLDER, "What is this?"), [random_image(90, 60)]),
+               (chat_prompt("First ", IMAGE_PLACEHOLDER, " then ", IMAGE_PLACEHOLDER, " compare."),
+                [random_image(140, 120, seed=1), random_image(56, 84, seed=2)])]
+    llm = LLM(str(folder), **FLAGS, tp_size=2, enable_mm_encoder_dp=encoder_dp)
+    try:
+        outs = llm.generate([{"prompt": p, "multi_modal_data": {"image": imgs}} for p, imgs in prompts],
+                            SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1))
+    finally:
+        llm.shutdown()
+    _check_against_hf(folder, prompts, outs, 6)

@@ -14,7 +14,8 @@ oldest first, as plain tuples (`RawEvent`):
     ("stored", block_hashes, parent_block_hash | None, token_ids, block_size)
         consecutive full blocks of one request that just became cached; token_ids are theirs,
         concatenated (block_size * len(block_hashes)); the parent is the hash of the block before
-        the first one (None at the start of a sequence)
+        the first one (None at the start of a sequence); an image's placeholder tokens appear as
+        one negative id per image, drawn from its content hash (heterollm.multimodal.cache_token_ids)
     ("removed", block_hashes)
     ("cleared",)
 
