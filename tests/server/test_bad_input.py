@@ -45,7 +45,7 @@ CASES = [
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": 7}]}', 400, "messages.0.content", "string"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user"}]}', 400, "messages.0.content", "required"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400,
-     "messages.0.content", "text parts"),
+     "messages.0.content.0.image_url", "required"),
     ("/v1/chat/completions", json.dumps({"messages": MSG, "top_logprobs": 3}).encode(), 400, "top_logprobs",
      "logprobs=true"),
     ("/v1/chat/completions", json.dumps({"messages": MSG, "max_completion_tokens": 0}).encode(), 400,

@@ -78,7 +78,9 @@ EXERCISED: dict[str, dict[str, list[str]]] = {
     },
     "chat": {
         **_SHARED,
-        "messages": ["server/test_openai_api.py::test_chat_and_streaming_chat_agree"],
+        "messages": ["server/test_openai_api.py::test_chat_and_streaming_chat_agree",
+                     "server/test_multimodal_api.py::test_http_url_with_launch_and_request_headers"],
+        "mm_processor_kwargs": ["server/test_multimodal_api.py::test_mm_processor_kwargs_reach_the_image_processor"],
         "max_completion_tokens": [_SAMPLING],
         "logprobs": ["server/test_openai_api.py::test_chat_logprobs"],
         "top_logprobs": ["server/test_openai_api.py::test_chat_logprobs"],
@@ -139,7 +141,6 @@ PLAUSIBLE = {
     "moderation": {"model": "omni-moderation-latest"},
     "prompt_cache_options": {"mode": "explicit", "ttl": "30m"},
     "prompt_cache_retention": "24h",
-    "mm_processor_kwargs": {"num_crops": 4},
 }
 
 BASE = {"completions": ("/v1/completions", {"prompt": "Once upon a time"}),

@@ -18,6 +18,7 @@ from typing import Any
 
 from heterollm.engine.llm_engine import LLMEngine
 from heterollm.engine.outputs import RequestOutput
+from heterollm.multimodal import MultiModalItem
 from heterollm.scheduler.request import RequestRejected
 from heterollm.interfaces import ExecutorDead
 from heterollm.pooling import PoolingParams
@@ -123,8 +124,10 @@ class AsyncEngine:
     async def add(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                   prompt_token_ids: list[int] | None = None, first_output_timeout: float | None = None,
                   priority: int = 0, ttft_slo_ms: int | None = None,
-                  pooling: PoolingParams | None = None) -> RequestStream:
-        """Admit the request; its outputs then come from the returned stream.
+                  pooling: PoolingParams | None = None,
+                  mm_items: list[MultiModalItem] | None = None) -> RequestStream:
+        """Admit the request; its outputs then come from the returned stream. `mm_items`: its images,
+        preprocessed, with `prompt_token_ids` already expanded (LLMEngine.add_request).
 
         Raises RequestRejected when the engine refuses the request (nothing is admitted then).
         The stream raises RequestRejected (status 503) when `first_output_timeout` seconds pass
@@ -139,8 +142,8 @@ class AsyncEngine:
         admitted = loop.create_future()
         stream = _Stream(loop, asyncio.Queue())
         try:
-            self._submit(("add", (prompt, params, request_id, prompt_token_ids, priority, ttft_slo_ms, pooling),
-                          admitted, stream))
+            self._submit(("add", (prompt, params, request_id, prompt_token_ids, priority, ttft_slo_ms, pooling,
+                                  mm_items), admitted, stream))
         except EngineError:
             self._unload(request_id)
             raise
@@ -251,14 +254,15 @@ class AsyncEngine:
 
     def _apply(self, kind: str, payload: Any, admitted: Any, stream: Any) -> None:
         if kind == "add":
-            prompt, params, request_id, ids, priority, ttft_slo_ms, pooling = payload
+            prompt, params, request_id, ids, priority, ttft_slo_ms, pooling, mm_items = payload
             if self._closed:  # the final drain: nothing will run it
                 self._unload(request_id)
                 stream.loop.call_soon_threadsafe(_settle, admitted, self._not_running())
                 return
             try:
                 self.engine.add_request(prompt, params, request_id=request_id, prompt_token_ids=ids,
-                                        priority=priority, ttft_slo_ms=ttft_slo_ms, pooling=pooling)
+                                        priority=priority, ttft_slo_ms=ttft_slo_ms, pooling=pooling,
+                                        mm_items=mm_items)
             except Exception as exc:  # RequestRejected and anything a bad prompt provokes
                 if not isinstance(exc, RequestRejected):
                     logger.exception("admitting request %s failed", request_id)

@@ -34,6 +34,8 @@ from heterollm.engine.async_engine import (EngineError, Outstanding, RequestStre
                                            report_finished)
 from heterollm.engine.core_process import CoreAddresses, core_main
 from heterollm.engine.outputs import RequestOutput
+from heterollm.multimodal import MultiModalItem
+from heterollm.multimodal.processor import MultiModalInputs
 from heterollm.pooling import PoolingParams
 from heterollm.sampling import SamplingParams
 from heterollm.scheduler.request import RequestRejected
@@ -64,6 +66,9 @@ class EngineFrontend:
         self.plugins = make_plugin_manager()
         self.pooling = build_setup(config, self.source.hf_config, self.source.folder, self.tokenizer.hf,
                                    (self.source.architectures or [""])[0])
+        self.multimodal = MultiModalInputs.for_launch(config, self.source, self.tokenizer.hf)
+        """Images -> placeholder tokens and pixel patches, done here (the API server process) so the
+        core receives them preprocessed; refuses images on a text-only model."""
 
 
 def _addresses(config: HeterollmConfig, dp_rank: int) -> CoreAddresses:
@@ -211,12 +216,14 @@ class EngineCoreClient:
     async def add(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                   prompt_token_ids: list[int] | None = None, first_output_timeout: float | None = None,
                   priority: int = 0, ttft_slo_ms: int | None = None,
-                  pooling: PoolingParams | None = None) -> RequestStream:
+                  pooling: PoolingParams | None = None,
+                  mm_items: list[MultiModalItem] | None = None) -> RequestStream:
         """As AsyncEngine.add: admit the request in the core; its outputs come from the stream."""
         if not self.alive:
             raise self._not_running()
         msg = ipc.Add(request_id, prompt, prompt_token_ids, ipc.params_to_wire(params), priority, ttft_slo_ms,
-                      msgspec.to_builtins(pooling) if pooling is not None else None)
+                      msgspec.to_builtins(pooling) if pooling is not None else None,
+                      [item.to_wire() for item in mm_items] if mm_items else None)
         loop = asyncio.get_running_loop()
         admitted = loop.create_future()
         stream = _Stream(loop, asyncio.Queue())

@@ -32,6 +32,8 @@ class Add(msgspec.Struct, tag=True):
     priority: int = 0
     ttft_slo_ms: int | None = None
     pooling: dict[str, Any] | None = None
+    mm_items: list[dict[str, Any]] | None = None
+    """The prompt's images, preprocessed (MultiModalItem.to_wire: pixels as raw float32 bytes)."""
 
 
 class Abort(msgspec.Struct, tag=True):

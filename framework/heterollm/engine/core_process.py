@@ -26,6 +26,7 @@ from heterollm.engine import core_ipc as ipc
 from heterollm.engine.llm_engine import LLMEngine
 from heterollm.interfaces import ExecutorDead
 from heterollm.model_executor.weight_update import WeightUpdate
+from heterollm.multimodal import MultiModalItem
 from heterollm.sampling import StructuredOutputError
 from heterollm.scheduler.request import RequestRejected
 
@@ -219,9 +220,11 @@ class EngineCore:
 
     def _admit(self, msg: ipc.Add, params: Any) -> None:
         try:
+            items = [MultiModalItem.from_wire(d) for d in msg.mm_items] if msg.mm_items else None
             self.engine.add_request(msg.prompt, params, request_id=msg.request_id,
                                     prompt_token_ids=msg.prompt_token_ids, priority=msg.priority,
-                                    ttft_slo_ms=msg.ttft_slo_ms, pooling=ipc.pooling_from_wire(msg.pooling))
+                                    ttft_slo_ms=msg.ttft_slo_ms, pooling=ipc.pooling_from_wire(msg.pooling),
+                                    mm_items=items)
         except Exception as exc:  # RequestRejected, and anything a bad prompt provokes
             if not isinstance(exc, RequestRejected):
                 logger.exception("admitting request %s failed", msg.request_id)

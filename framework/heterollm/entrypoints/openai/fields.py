@@ -73,8 +73,6 @@ REFUSED: dict[str, Refused] = {
                                     "or lifetimes", (None,), ("chat",)),
     "prompt_cache_retention": Refused("cached prefixes live in memory until evicted",
                                       (None, "in_memory"), ("chat",)),
-    "mm_processor_kwargs": Refused("the models served take text only (no multimodal processor)", (None, {}),
-                                   ("chat",)),
 }
 
 
@@ -101,7 +99,9 @@ WORKS: dict[str, dict[str, str]] = {
     "prompt": {"completions": "a string, a list of strings, a list of token ids, or a list of such lists (one "
                               "choice each, index = prompt x n + i)"},
     "messages": {"chat": "roles system, developer, user, assistant, tool; content a string or a list of "
-                         "{\"type\": \"text\"} parts; rendered with the chat template"},
+                         "{\"type\": \"text\"} parts and, in user messages on a vision-language model, "
+                         "{\"type\": \"image_url\"} parts (a data: or http(s) URL; `detail` changes nothing); "
+                         "audio and video parts: 400; rendered with the chat template"},
     "n": {"both": "1-128 choices (all prompts together)"},
     "temperature": {"both": "0 is greedy; left out: the model's generation_config, else 1"},
     "top_p": {"both": "nucleus sampling; left out: the model's generation_config"},
@@ -191,6 +191,9 @@ WORKS: dict[str, dict[str, str]] = {
                             "those two decode under structured output (needs --guided_decoding_backend auto, else "
                             "400), so the call is valid JSON for its schema; a function not in tools: 400"},
     "parallel_tool_calls": {"chat": "false keeps only the first call (required is constrained to one)"},
+    "mm_processor_kwargs": {"chat": "vLLM's: min_pixels / max_pixels (or image_min_pixels / image_max_pixels) for "
+                                    "this request's images, over --mm_processor_kwargs; other keys, or any on a "
+                                    "text-only model: 400"},
     "include_reasoning": {"chat": "vLLM's: with --reasoning_parser, false leaves reasoning_content out (without the "
                                   "parser false is a 400)"},
     "prompt_cache_key": {"chat": "with --dp_size > 1 replicas, requests with the same key go to the same replica, so "

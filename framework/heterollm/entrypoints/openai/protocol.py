@@ -207,26 +207,87 @@ class CompletionRequest(_SamplingFields, _CompletionRuleFields, StructuredFields
         return list(p)
 
 
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
+MEDIA_PART_TYPES = {"input_audio": "audio", "audio_url": "audio", "video_url": "video", "video": "video",
+                    "file": "file"}
+"""Content part types of OpenAI's and vLLM's schemas that no served family takes: refused by name."""
+
+
+def _check_part(where: str, part: Any, role: str) -> bool:
+    """One content part of a message: a text part, or (user messages only) an image part; BadRequest
+    naming `where` otherwise. Returns whether it is an image part.
+
+    An image part is OpenAI's {"type": "image_url", "image_url": {"url": ..., "detail": ...}} or vLLM's
+    short form with `image_url` a URL string; the URL is a data: URL (base64) or an http(s) URL. `detail`
+    ("auto", "low", "high") is accepted and does not change processing, as in vLLM: the image is resized
+    within the model's pixel budget (min/max pixels, `mm_processor_kwargs`) whatever it says."""
+    if not isinstance(part, dict):
+        raise BadRequest(f"{where} must be a content part object ({{\"type\": \"text\", ...}}), got "
+                         f"{type(part).__name__}", where)
+    kind = part.get("type")
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise BadRequest(f"{where}.text must be a string", f"{where}.text")
+        return False
+    if kind in MEDIA_PART_TYPES:
+        raise BadRequest(f"{where}: {MEDIA_PART_TYPES[kind]} input ({kind!r} parts) is not supported: the served "
+                         f"families take text and images only", where)
+    if kind != "image_url":
+        raise BadRequest(f"{where}.type must be 'text' or 'image_url', got {kind!r}", f"{where}.type")
+    if role != "user":
+        raise BadRequest(f"{where}: only a user message carries images, not a {role} message", where)
+    url = part.get("image_url")
+    if isinstance(url, dict):
+        detail = url.get("detail")
+        if detail is not None and not isinstance(detail, str):
+            raise BadRequest(f"{where}.image_url.detail must be a string", f"{where}.image_url.detail")
+        url = url.get("url")
+        if not isinstance(url, str):
+            raise BadRequest(f"{where}.image_url.url is required: a data: or http(s) URL string",
+                             f"{where}.image_url.url")
+    elif not isinstance(url, str):
+        raise BadRequest(f"{where}.image_url is required: {{\"url\": a data: or http(s) URL}} or the URL string",
+                         f"{where}.image_url")
+    return True
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[dict[str, Any]] | None = None
+    """A string, or a list of content parts: text parts and, in user messages, image_url parts
+    (checked by check_messages)."""
     name: str | None = None
 
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(p.get("type") == "image_url" for p in self.content)
+
     def as_template_message(self) -> dict[str, Any]:
+        """The message as the chat template reads it: text parts joined into one string; a message
+        with images keeps its parts, each image part as {"type": "image_url", "image_url": {"url"}}
+        (multimodal.processor.split_images turns those into the template's {"type": "image"})."""
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            if self.has_images():
+                content = [{"type": "image_url", "image_url": {"url": _part_url(p)}} if p["type"] == "image_url"
+                           else {"type": "text", "text": p["text"]} for p in content]
+            else:
+                content = "".join(part["text"] for part in content)
         msg = {**(self.model_extra or {}), "role": self.role, "content": content or ""}
         if self.name is not None:
             msg["name"] = self.name
         if isinstance(msg.get("tool_calls"), list):  # templates read the arguments as a mapping (vLLM's reading)
             msg["tool_calls"] = [_template_tool_call(call) for call in msg["tool_calls"]]
         return msg
+
+
+def _part_url(part: dict[str, Any]) -> str:
+    url = part["image_url"]
+    return url["url"] if isinstance(url, dict) else url
+
+
+def image_part_locations(messages: list[ChatMessage]) -> list[str]:
+    """`messages.{i}.content.{j}` of each image part, in the order split_images lists the images."""
+    return [f"messages.{i}.content.{j}" for i, m in enumerate(messages) if isinstance(m.content, list)
+            for j, p in enumerate(m.content) if p.get("type") == "image_url"]
 
 
 def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
@@ -258,6 +319,8 @@ def check_messages(messages: list[ChatMessage]) -> None:
     for i, m in enumerate(messages):
         if m.content is None and m.role != "assistant":
             raise BadRequest(f"messages.{i}.content is required for a {m.role} message", f"messages.{i}.content")
+        for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+            _check_part(f"messages.{i}.content.{j}", part, m.role)
         calls = (m.model_extra or {}).get("tool_calls")
         if calls is not None:
             if m.role != "assistant":
@@ -285,6 +348,12 @@ class ChatCompletionRequest(_SamplingFields, _ChatRuleFields, StructuredFields):
     """false: at most one call (the first; `required` is constrained to one)."""
     include_reasoning: bool | None = None
     """vLLM's: false leaves reasoning_content out (needs --reasoning_parser)."""
+    mm_processor_kwargs: dict[str, Any] | None = None
+    """vLLM's: the image processor's pixel budget for this request's images (min_pixels / max_pixels,
+    or FastDeploy's image_min_pixels / image_max_pixels), over --mm_processor_kwargs."""
+    mm_download_headers: dict[str, str] | None = None
+    """heterollm's (vLLM has no such field): HTTP headers sent when fetching this request's http(s)
+    image URLs, each overriding the same header of --mm_download_headers (names case-insensitive)."""
 
     def check(self) -> None:
         self.check_common()
@@ -309,6 +378,8 @@ class TokenizeRequest(_Body):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
+    mm_processor_kwargs: dict[str, Any] | None = None
+    mm_download_headers: dict[str, str] | None = None
 
 
 class DetokenizeRequest(_Body):
@@ -319,7 +390,8 @@ class DetokenizeRequest(_Body):
 _UNION_HINTS = {
     "prompt": "must be a string, a list of strings, a list of token ids, or a list of lists of token ids",
     "stop": "must be a string or a list of strings",
-    "content": "must be a string or a list of text parts ({\"type\": \"text\", \"text\": ...})",
+    "content": "must be a string or a list of content parts: text parts ({\"type\": \"text\", \"text\": ...}) "
+               "and image parts ({\"type\": \"image_url\", \"image_url\": {\"url\": ...}})",
 }
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
 

@@ -33,6 +33,8 @@ from heterollm.engine.async_engine import AsyncEngine, EngineError, RequestStrea
 from heterollm.engine.core_client import EngineCoreClient
 from heterollm.engine.llm_engine import LLMEngine
 from heterollm.engine.outputs import RequestOutput
+from heterollm.multimodal import MultiModalItem
+from heterollm.multimodal.processor import pixel_kwargs, split_images
 from heterollm.scheduler.request import RequestRejected
 from heterollm.entrypoints.openai.beam_search import FinishedStream, run_beam_search_request
 from heterollm.entrypoints.openai.metrics import ServerMetrics
@@ -40,7 +42,7 @@ from heterollm.entrypoints.openai.pooling import PoolingRoutes
 from heterollm.entrypoints.openai.profile import ProfileRoutes
 from heterollm.entrypoints.openai.protocol import (
     MAX_N, BadRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, check_messages,
-    parse_body)
+    image_part_locations, parse_body)
 from heterollm.entrypoints.openai.responses import ResponseBuilder
 from heterollm.entrypoints.openai.structured import StructuredRequestError
 from heterollm.entrypoints.openai.weights import WeightRoutes
@@ -234,12 +236,16 @@ class OpenAIServer:
                 raise BadRequest("give exactly one of prompt or messages", "prompt")
             if body.messages is not None:
                 check_messages(body.messages)
-                ids = self._chat_ids(body.messages, body.add_generation_prompt, body.continue_final_message,
-                                     body.chat_template, body.chat_template_kwargs)
+                ids, images = self._chat_prompt(body.messages, body.add_generation_prompt,
+                                                body.continue_final_message, body.chat_template,
+                                                body.chat_template_kwargs)
+                ids, _ = await self._with_images(ids, images, body)
             else:
                 ids = self.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         except BadRequest as exc:
             return self._error(exc.status, str(exc), exc.param)
+        except RequestRejected as exc:
+            return self._error(exc.status, str(exc), exc.field)
         strs = self.engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -264,10 +270,18 @@ class OpenAIServer:
         if bad:
             raise BadRequest(f"{param}: token id {bad[0]} is outside the vocabulary [0, {vocab})", param)
 
-    def _chat_ids(self, messages, add_generation_prompt: bool, continue_final_message: bool,
-                  chat_template: str | None, template_kwargs: dict[str, Any] | None,
-                  template_vars: dict[str, Any] | None = None, add_special_tokens: bool = False) -> list[int]:
-        conv = [m.as_template_message() for m in messages]
+    def _chat_prompt(self, messages, add_generation_prompt: bool, continue_final_message: bool,
+                     chat_template: str | None, template_kwargs: dict[str, Any] | None,
+                     template_vars: dict[str, Any] | None = None,
+                     add_special_tokens: bool = False) -> tuple[list[int], list[str]]:
+        """(the rendered prompt's ids, the URLs of its image parts in order): each image part renders as
+        the template's image placeholder, expanded later by `_with_images`."""
+        mm = self.engine.multimodal
+        locations = image_part_locations(messages)
+        if locations and mm.processor is None:  # before the template, which may not render image parts
+            raise BadRequest(f"the model {mm.model_name} is text-only: it takes no images (serve a "
+                             f"vision-language model, e.g. Qwen2-VL)", locations[0])
+        conv, images = split_images([m.as_template_message() for m in messages])
         kwargs = dict(template_kwargs or {})
         if continue_final_message:
             kwargs["continue_final_message"] = True
@@ -281,11 +295,36 @@ class OpenAIServer:
         try:
             return self.engine.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
                                                              chat_template=chat_template,
-                                                             add_special_tokens=add_special_tokens, **kwargs)
+                                                             add_special_tokens=add_special_tokens, **kwargs), images
         except ValueError as exc:
             raise BadRequest(str(exc).removeprefix("messages: "), "messages") from None
         except Exception as exc:  # a template that raises on these messages (jinja errors and the like)
             raise BadRequest(f"the chat template failed on these messages: {exc}", "messages") from None
+
+    async def _with_images(self, ids: list[int], images: list[str],
+                           body: ChatCompletionRequest | TokenizeRequest) -> tuple[list[int], list[MultiModalItem]]:
+        """The prompt with each image placeholder expanded, and the images preprocessed
+        (multimodal.processor.MultiModalInputs.admit, off the event loop: it fetches http(s) URLs, with
+        --mm_download_headers overlaid by the request's mm_download_headers). A refusal names the image
+        part (`messages.{i}.content.{j}`), or mm_processor_kwargs; other requests are unaffected."""
+        mm = self.engine.multimodal
+        kwargs = body.mm_processor_kwargs
+        if kwargs:
+            if mm.processor is None:
+                raise BadRequest(f"mm_processor_kwargs: the model {mm.model_name} is text-only: it has no image "
+                                 f"processor", "mm_processor_kwargs")
+            try:
+                pixel_kwargs(kwargs, "mm_processor_kwargs")
+            except ValueError as exc:
+                raise BadRequest(str(exc), "mm_processor_kwargs") from None
+        if mm.processor is None and not images:
+            return ids, []
+        try:
+            return await asyncio.to_thread(mm.admit, ids, {"image": images}, kwargs, "messages",
+                                           body.mm_download_headers)
+        except RequestRejected as exc:
+            field = _image_field(exc.field, image_part_locations(body.messages), mm.processor is None)
+            raise RequestRejected(field, str(exc), exc.status) from None
 
     def _max_tokens(self, prompt_len: int, requested: int | None, prompt_param: str,
                     max_tokens_param: str) -> int:
@@ -315,7 +354,8 @@ class OpenAIServer:
 
     # -- generation ------------------------------------------------------------------------
     async def _admit(self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
-                     request_id: str, body: Any) -> list[RequestStream]:
+                     request_id: str, body: Any, mm_items: list[MultiModalItem] | None = None) -> list[RequestStream]:
+        """Admit each prompt (`mm_items`: the images of a single prompt, already preprocessed)."""
         streams: list[RequestStream] = []
         try:
             for i, (text, ids) in enumerate(prompts):
@@ -326,7 +366,8 @@ class OpenAIServer:
                 streams.append(await replica.add(text if text is not None else ids, p, rid,
                                                            prompt_token_ids=ids,
                                                            first_output_timeout=self.settings.max_waiting_time,
-                                                           priority=body.priority, ttft_slo_ms=body.ttft_slo_ms))
+                                                           priority=body.priority, ttft_slo_ms=body.ttft_slo_ms,
+                                                           mm_items=mm_items or None))
         except BaseException:
             for s in streams:
                 s.close()
@@ -394,6 +435,13 @@ class OpenAIServer:
                 prompts.append((None, list(p)))
         if any(not ids for _, ids in prompts):
             raise BadRequest("prompt must not be empty", "prompt")
+        if self.engine.multimodal.processor is not None:  # image placeholders without images: refused
+            for _, ids in prompts:
+                try:
+                    self.engine.multimodal.admit(ids, None, field="prompt")
+                except RequestRejected as exc:
+                    raise BadRequest(f"{exc}; /v1/completions takes text only: send images to "
+                                     f"/v1/chat/completions as image_url parts", "prompt") from None
         prompts = [self._truncated(text, ids, body.truncate_prompt_tokens) for text, ids in prompts]
         name, per_prompt = ("best_of", body.best_of) if body.best_of else ("n", body.n)
         if len(prompts) * per_prompt > MAX_N:
@@ -422,10 +470,17 @@ class OpenAIServer:
         self._check_model(body.model)
         plan, functions, forced = self.parsers.plan(body)
         template_kwargs = {**(body.chat_template_kwargs or {}), **({"tools": body.tools} if functions else {})}
-        ids = self._chat_ids(body.messages, body.add_generation_prompt, body.continue_final_message,
-                             body.chat_template, template_kwargs,
-                             {"reasoning_effort": body.reasoning_effort, "documents": body.documents},
-                             body.add_special_tokens)
+        ids, images = self._chat_prompt(body.messages, body.add_generation_prompt, body.continue_final_message,
+                                        body.chat_template, template_kwargs,
+                                        {"reasoning_effort": body.reasoning_effort, "documents": body.documents},
+                                        body.add_special_tokens)
+        if images and body.truncate_prompt_tokens is not None:
+            raise BadRequest("truncate_prompt_tokens: cannot cut a prompt that carries images",
+                             "truncate_prompt_tokens")
+        if images and body.use_beam_search:
+            raise BadRequest("use_beam_search: beam search over a prompt with images is not supported",
+                             "use_beam_search")
+        ids, mm_items = await self._with_images(ids, images, body)
         _, ids = self._truncated(None, ids, body.truncate_prompt_tokens)
         max_tokens = self._max_tokens(len(ids), body.requested_max_tokens(), "messages",
                                       "max_completion_tokens" if body.max_completion_tokens is not None
@@ -437,7 +492,7 @@ class OpenAIServer:
         params.structured_outputs = body.structured_spec()
         self.parsers.prepare(plan, forced, params, body, ids, self.engine.tokenizer)
         request_id = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
-        streams = await self._admit([(None, ids)], params, request_id, body)
+        streams = await self._admit([(None, ids)], params, request_id, body, mm_items)
         ctx = ResponseBuilder(self, request_id, "chat.completion", body, [(None, ids)], streams, top, plan)
         if body.stream:
             return self._sse(ctx.stream_chat(), streams)
@@ -508,6 +563,18 @@ class OpenAIServer:
                 self._release()
 
         return _SSEResponse(body(), cleanup)
+
+
+def _image_field(field: str, locations: list[str], text_only: bool) -> str:
+    """MultiModalInputs.admit's field for the images of a chat (`messages.image[.k...]`, k counting image
+    parts) -> the part at fault: `messages.{i}.content.{j}[...]`. A refusal of the images as a whole (too
+    many, placeholders that do not match) names `messages`; a text-only model names the first image part."""
+    head, _, rest = field.removeprefix("messages.image").lstrip(".").partition(".")
+    if not field.startswith("messages.image"):
+        return field
+    if head.isdigit() and int(head) < len(locations):
+        return ".".join(filter(None, [locations[int(head)], rest]))
+    return locations[0] if text_only and locations else "messages"
 
 
 def build_server(engine: LLMEngine, settings: ServerSettings) -> OpenAIServer:
