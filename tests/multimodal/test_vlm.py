@@ -224,3 +224,14 @@ def test_tensor_parallel_matches_transformers(tmp_path_factory, encoder_dp):
     finally:
         llm.shutdown()
     _check_against_hf(folder, prompts, outs, 6)
+
+
+def test_calls_without_image_support_refuse_images(small_vlm):
+    """embed / beam search take no images: a prompt carrying them is refused, not run without them."""
+    from heterollm.engine.beam_search import BeamSearchParams
+    from heterollm.scheduler.request import RequestRejected
+
+    prompt = {"prompt": chat_prompt(IMAGE_PLACEHOLDER), "multi_modal_data": {"image": random_image(56, 56)}}
+    with pytest.raises(RequestRejected) as err:
+        small_vlm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=2))
+    assert err.value.field == "multi_modal_data"

@@ -70,7 +70,7 @@ class LLM:
         """(text, ids) of a prompt; a dict's `multi_modal_data` ({"image": [...]}: PIL images, bytes,
         data: or http(s) URLs; one `<|vision_start|><|image_pad|><|vision_end|>` per image in the prompt)
         is loaded and preprocessed here: (text, expanded ids, its items or None)."""
-        text, ids = self.engine.tokenize_prompt(prompt)
+        text, ids = self.engine.tokenize_prompt(prompt, multimodal=True)
         if not (isinstance(prompt, dict) and prompt.get("multi_modal_data")):
             return text, ids, None
         ids, items = self.engine.multimodal.admit(ids, prompt["multi_modal_data"], prompt.get("mm_processor_kwargs"))

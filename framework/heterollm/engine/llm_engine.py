@@ -258,7 +258,14 @@ class LLMEngine:
             raise RequestRejected(spec.field_name, states[0].error.reason)
         return states
 
-    def tokenize_prompt(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(self, prompt: str | list[int] | dict[str, Any],
+                        multimodal: bool = False) -> tuple[str | None, list[int]]:
+        """(text, ids) of a prompt. A dict's `multi_modal_data` is the caller's to process
+        (`multimodal=True`); a caller that cannot take images (embed, score, beam search) gets a
+        RequestRejected naming the field instead of the images being dropped."""
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") and not multimodal:
+            raise RequestRejected("multi_modal_data", "images are taken by generate and chat only (not by embed, "
+                                                      "score or beam search)")
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
@@ -301,7 +308,7 @@ class LLMEngine:
         if prompt_token_ids is not None:
             text, ids = (prompt if isinstance(prompt, str) else None), list(prompt_token_ids)
         else:
-            text, ids = self.tokenize_prompt(prompt)
+            text, ids = self.tokenize_prompt(prompt, multimodal=True)
         if mm_items is None and isinstance(prompt, dict) and (prompt.get("multi_modal_data") or self.multimodal.processor):
             ids, mm_items = self.multimodal.admit(ids, prompt.get("multi_modal_data"), prompt.get("mm_processor_kwargs"))
         if mm_items and params is not None and params.truncate_prompt_tokens is not None:
