@@ -28,6 +28,10 @@ PIXEL_KWARGS = {"min_pixels": "shortest_edge", "max_pixels": "longest_edge",
 image is resized into."""
 
 MODALITIES = ("image", "video", "audio")
+UNSUPPORTED = {"video": "video input is not built (Qwen2-VL's frames go through transformers' video processor, "
+                        "which needs torchvision: not a heterollm dependency, and not installable beside the CPU "
+                        "torch build heterollm is tested on)",
+               "audio": "no served family takes audio"}
 
 
 def is_multimodal_config(hf_config: Any) -> bool:
@@ -223,7 +227,8 @@ class MultiModalInputs:
         data = dict(data or {})
         for key in data:
             if key != "image":
-                raise RequestRejected(f"{field}.{key}", f"{key} input is not supported (images only)")
+                raise RequestRejected(f"{field}.{key}", f"{key} input is not supported (images only): "
+                                                        f"{UNSUPPORTED.get(key, 'no served family takes it')}")
         images = data.get("image")
         if images is None:
             images = []
