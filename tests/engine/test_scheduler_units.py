@@ -678,3 +678,103 @@ def test_a_prefill_admitted_at_ttft_risk_counts_against_the_next_ones_budget():
     s.add(req("w1", 20, ttft_slo_ms=1)), s.add(req("w2", 20))
     assert shape(s.schedule()) == {"d": (3, 1), "w1": (0, 8)}
     assert s.latency.num_held == 1 and [r.request_id for r in s.waiting] == ["w2"]
+
+
+# -- attention data parallelism: victims on the short rank only -----------------------------------------
+def test_a_decode_short_of_blocks_preempts_only_requests_of_its_own_rank():
+    # 2 ranks of 4 blocks (DataParallelKVCacheManager: a new request joins the rank holding fewest
+    # requests, then the one with more free blocks, then the lower rank). a (5 tokens, 4 computed:
+    # 1 block) -> rank 0; b (5 tokens, 4 computed) -> rank 1; c (13 tokens, 12 computed: 3 blocks) ->
+    # one request on each rank, 3 free blocks on each: rank 0, which is then full. Running in the
+    # order a, c, b, all decoding. a's decode needs a 2nd block on rank 0: under fcfs the victim is
+    # the newest admitted request of a's rank, c; b (newer, but on rank 1) would free nothing a can use
+    from heterollm.kv_cache import DataParallelKVCacheManager
+
+    s = Scheduler(load_config([], overrides={}).config.scheduler, DataParallelKVCacheManager(2, 8, 4), 256)
+    a, b, c = req("a", 4), req("b", 4), req("c", 12)
+    for r, computed in ((a, 4), (b, 4), (c, 12)):
+        r.output_token_ids, r.num_computed_tokens, r.status = [9], computed, RequestStatus.RUNNING
+        assert s.kv.allocate(r.request_id, computed) is not None
+        s.requests[r.request_id] = r
+    assert (s.kv.rank_of["a"], s.kv.rank_of["b"], s.kv.rank_of["c"]) == (0, 1, 0)
+    s.running = [a, c, b]
+    so = s.schedule()
+    assert shape(so) == {"a": (4, 1), "b": (4, 1)}  # c freed 3 blocks: back on rank 0 it would need 4
+    assert (a.num_preemptions, b.num_preemptions, c.num_preemptions, s.num_preemptions) == (0, 0, 1, 1)
+    assert list(s.waiting) == [c] and s.running == [a, b] and c.status is RequestStatus.PREEMPTED
+    assert so.requests[0].block_ids == [0, 1] and so.requests[1].block_ids == [4, 5]
+
+
+# -- multimodal requests ------------------------------------------------------------------------------
+def image(offset: int, length: int, key: int):
+    """An image item whose placeholders the prefix cache names `-1 - key` (its hash's first 15 hex
+    digits read as a number: heterollm.multimodal.cache_token_ids)."""
+    import torch
+
+    from heterollm.multimodal import MultiModalItem
+
+    return MultiModalItem("image", f"{key:015x}" + "f" * 17, offset, length, (1, 1, length), torch.zeros(length, 1))
+
+
+def test_cache_token_ids_name_an_images_placeholders_by_the_image():
+    r = req("r", 6)  # prompt 1..6; the image's 3 placeholders are positions 1-3
+    assert r.cache_token_ids == [1, 2, 3, 4, 5, 6]  # text only: the tokens themselves
+    r.mm_items = [image(1, 3, 5)]
+    r.output_token_ids = [9]
+    assert r.cache_token_ids == [1, -6, -6, -6, 5, 6, 9]
+    r.output_token_ids.append(8)  # output tokens follow as they come
+    assert r.cache_token_ids == [1, -6, -6, -6, 5, 6, 9, 8]
+    assert r.all_token_ids == [1, 2, 3, 4, 5, 6, 9, 8]
+
+
+def test_images_go_with_every_step_that_computes_prompt_tokens_and_no_other():
+    # chunks of 4: the 6-token prompt with an image at positions 1-3 takes two steps (0-3, 4-5), both
+    # carrying the image (the runner encodes it when its placeholders are computed); its decodes and
+    # a text-only request's steps carry none
+    s = make(max_tokens_per_chunk_for_prefill=4)
+    items = [image(1, 3, 5)]
+    m, t = req("m", 6, mm_items=items), req("t", 3)
+    s.add(m), s.add(t)
+    so = s.schedule()
+    assert shape(so) == {"m": (0, 4), "t": (0, 3)}
+    assert so.requests[0].mm_items is items and so.requests[1].mm_items is None
+    s.update(so, outputs(so, 7))
+    so = s.schedule()
+    assert shape(so) == {"t": (3, 1), "m": (4, 2)}  # decodes first
+    assert so.requests[1].mm_items is items and so.requests[0].mm_items is None
+    s.update(so, outputs(so, 7))
+    so = s.schedule()
+    assert shape(so) == {"t": (4, 1), "m": (6, 1)}  # m's first decode starts at its prompt's length
+    assert [it.mm_items for it in so.requests] == [None, None]
+
+
+@pytest.mark.parametrize("in_batch", [False, True])
+def test_the_prefix_cache_tells_images_apart_behind_equal_placeholder_tokens(in_batch):
+    # prompts 1..8 (p) and 1..9 (q, r) whose positions 4-7 (block 1) are an image's placeholders.
+    # p's admission hashes only its block 0 (its last token is always computed), so its block 1 is
+    # hashed when it is committed: after p's step, or at once in-batch. q (p's image) then finds
+    # both blocks: 8 tokens; r (another image behind the same placeholder ids) only block 0: 4 tokens
+    s = make(prefix=True, in_batch=in_batch)
+    p = req("p", 8, mm_items=[image(4, 4, 1)])
+    q, r = (req(rid, 9, mm_items=[image(4, 4, key)]) for rid, key in (("q", 1), ("r", 2)))
+    s.add(p)
+    if not in_batch:
+        assert step(s) == {"p": (0, 8)}
+    s.add(q), s.add(r)
+    so = s.schedule()
+    assert {k: v for k, v in shape(so).items() if k != "p"} == {"q": (8, 1), "r": (4, 5)}
+    assert (q.num_cached_tokens, r.num_cached_tokens) == (8, 4)
+
+
+@pytest.mark.parametrize(("b_key", "b_steps"), [(1, [(0, 4), (8, 4), (16, 4)]), (2, [(0, 4), (4, 4), (8, 4)])])
+def test_a_chunked_prefill_adopts_blocks_of_its_own_image_only(b_key, b_steps):
+    # test_every_further_chunk_looks_with_frequency_one with an image at positions 4-7 (block 1) of
+    # both 40-token prompts: with A's image, B adopts A's block 1 at 4 and block 3 at 12 as there;
+    # with another image behind the same placeholder ids, block 1 is not A's, nor (chained) any after.
+    # (B's block hashes are all made at its admission, from its cache_token_ids: which tokens
+    # `_rematch` passes the lookup later cannot change them.)
+    s = make(prefix=True, max_tokens_per_batch=12, max_tokens_per_chunk_for_prefill=8, chunked_match_frequency=1)
+    b = req("B", 40, mm_items=[image(4, 4, b_key)])
+    s.add(req("A", 40, mm_items=[image(4, 4, 1)])), s.add(b)
+    assert [step(s)["B"] for _ in range(3)] == b_steps
+    assert b.num_cached_tokens == (8 if b_key == 1 else 0)
