@@ -60,6 +60,16 @@ def _tokenizer():
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
+def spread_weights(model):
+    """Larger-than-init weights (N(0, 0.08) for every matrix) so greedy decoding is not a flat
+    distribution; returns the model."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    return model
+
+
 def build_tiny_model(folder: Path, family: str, seed: int = 0, head: str = "causal_lm",
                      sentence_transformers: str | None = None, **overrides) -> Path:
     """`head`: "causal_lm", or "classification" for the family's *ForSequenceClassification (a
@@ -79,12 +89,8 @@ def build_tiny_model(folder: Path, family: str, seed: int = 0, head: str = "caus
            "eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id, "tie_word_embeddings": False,
            **extra, **overrides})
     torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(cfg).eval()
-    # larger-than-init weights so greedy decoding is not a flat distribution
+    model = spread_weights(getattr(transformers, model_name)(cfg).eval())
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.08)
         for name, b in model.named_buffers():  # DeepSeek-V3's routing correction: zeros would hide it
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.05)
@@ -512,11 +518,7 @@ def build_tiny_vlm(folder: Path, family: str, seed: int = 0) -> Path:
         text_config=text, vision_config=vision, vision_start_token_id=ids[0], vision_end_token_id=ids[1],
         image_token_id=ids[2], video_token_id=ids[3], tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.08)
+    model = spread_weights(getattr(transformers, model_name)(cfg).eval())
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     tok.save_pretrained(folder)

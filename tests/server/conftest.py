@@ -65,6 +65,20 @@ def serving(engine: LLMEngine, **settings) -> Iterator[Running]:
         thread.join(30)
 
 
+@contextmanager
+def serving_cores(config) -> Iterator[Running]:
+    """`config` served by engine-core processes (heterollm serve's split), shut down after."""
+    from heterollm.engine.core_client import start_engine_cores
+
+    clients = start_engine_cores(config)
+    try:
+        with serving(clients) as running:
+            yield running
+    finally:
+        for c in clients:
+            c.shutdown()
+
+
 def make_engine(folder, **flags) -> LLMEngine:
     flags = {"dtype": "float32", "block_size": 8, "num_gpu_blocks_override": 512, "max_model_len": 256, **flags}
     return LLMEngine(load_config([], overrides={"model": str(folder), **flags}).config)

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import MODEL, free_port, make_engine, serving, spawned_children
+from conftest import MODEL, free_port, make_engine, serving, serving_cores, spawned_children
 from helpers import free_port_block
 from heterollm.config import ConfigError, load_config
 from heterollm.engine import core_ipc as ipc
@@ -33,14 +33,9 @@ def core_config(folder, **flags):
 
 @pytest.fixture(scope="module")
 def core(tiny_llama):
-    clients = start_engine_cores(core_config(tiny_llama, guided_decoding_backend="xgrammar",
-                                             enable_online_profile=True))
-    try:
-        with serving(clients) as running:
-            yield running
-    finally:
-        for c in clients:
-            c.shutdown()
+    config = core_config(tiny_llama, guided_decoding_backend="xgrammar", enable_online_profile=True)
+    with serving_cores(config) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

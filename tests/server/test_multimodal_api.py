@@ -17,11 +17,10 @@ import httpx
 import openai
 import pytest
 
-from conftest import MODEL, make_engine, serving
+from conftest import MODEL, make_engine, serving, serving_cores
 import helpers
 from helpers import IMAGE_PLACEHOLDER, build_tiny_vlm, hf_vlm_greedy
 from heterollm.config import load_config
-from heterollm.engine.core_client import start_engine_cores
 
 LAUNCH_HEADERS = {"Authorization": "Bearer launch-token", "X-Launch": "yes"}
 TEXT = "What is in it?"
@@ -123,13 +122,8 @@ FLAGS = {"dtype": "float32", "block_size": 8, "num_gpu_blocks_override": 512, "m
 @pytest.fixture(scope="module")
 def core(vlm):
     """The VLM behind an engine-core process (the images cross the IPC as MultiModalItem wire dicts)."""
-    clients = start_engine_cores(load_config([], overrides={"model": str(vlm), **FLAGS}).config)
-    try:
-        with serving(clients) as running:
-            yield running
-    finally:
-        for c in clients:
-            c.shutdown()
+    with serving_cores(load_config([], overrides={"model": str(vlm), **FLAGS}).config) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
