@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from PIL import Image
 
-from heterollm.multimodal.media import (FetchPolicy, MediaError, image_hash, load_image,
+from heterollm.multimodal.media import (FetchPolicy, MediaError, load_image,
                                         parse_download_headers)
 
 FIELD = "messages[0].content[1].image_url"
@@ -361,33 +361,6 @@ def test_pil_image_is_converted_to_rgb_without_touching_the_original(mode: str) 
 
 def test_grey_pixel_becomes_equal_channels() -> None:
     assert load_image(Image.new("L", (2, 2), 128), FIELD, SMALL).getpixel((1, 1)) == (128, 128, 128)
-
-
-# ---------------------------------------------------------------------------------------------
-# image_hash
-
-
-def test_same_pixels_hash_equal_across_encodings() -> None:
-    png = load_image(_encode(_pattern(), "PNG"), FIELD, SMALL)
-    bmp = load_image(_encode(_pattern(), "BMP"), FIELD, SMALL)
-    assert image_hash(png) == image_hash(bmp) == image_hash(_pattern())
-
-
-def test_one_pixel_change_changes_the_hash() -> None:
-    changed = _pattern()
-    r, g, b = changed.getpixel((3, 2))
-    changed.putpixel((3, 2), (r, g, (b + 1) % 256))
-    assert image_hash(changed) != image_hash(_pattern())
-
-
-def test_same_bytes_in_another_shape_or_palette_hash_differently() -> None:
-    flat = bytes(range(6)) * 3
-    tall, wide = Image.frombytes("RGB", (2, 3), flat), Image.frombytes("RGB", (3, 2), flat)
-    assert image_hash(tall) != image_hash(wide)
-    grey, red = Image.new("P", (2, 2), 0), Image.new("P", (2, 2), 0)
-    grey.putpalette([128, 128, 128] * 256)
-    red.putpalette([255, 0, 0] * 256)
-    assert image_hash(grey) != image_hash(red)
 
 
 # ---------------------------------------------------------------------------------------------

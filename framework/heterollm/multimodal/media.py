@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Union
 from urllib.parse import SplitResult, unquote_to_bytes, urljoin, urlsplit
 
-import xxhash
 from PIL import Image
 
 from heterollm.scheduler.request import RequestRejected
@@ -137,17 +136,6 @@ def load_image(source: ImageSource, field_name: str, policy: FetchPolicy,
         return _decode(_read_url(source.strip(), field_name, policy, headers), field_name, policy)
     raise MediaError(field_name, "an image must be a URL string, bytes or a PIL image, "
                                  f"not {type(source).__name__}")
-
-
-def image_hash(image: Image.Image) -> str:
-    """xxh3_128 hex digest over the mode, size and pixel bytes (and the palette of a 'P'/'PA' image):
-    the same pixels give the same hash whatever encoding they came from; any pixel change another."""
-    digest = xxhash.xxh3_128()
-    digest.update(f"{image.mode}\0{image.width}x{image.height}\0".encode())
-    if image.mode in ("P", "PA"):
-        digest.update(bytes(image.getpalette() or []))
-    digest.update(image.tobytes())
-    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
