@@ -144,3 +144,27 @@ def test_the_limits_spare_a_tight_cache_its_preemptions(tiny_llama):
     assert results["limits"][0] == results["none"][0]
     assert results["none"][1] > 0
     assert results["limits"][1] < results["none"][1]
+
+
+def test_the_prefill_share_adds_up_the_running_and_the_admitted_footprints():
+    # 20 blocks, share 0.5 (10 blocks), 2 set aside per request. a runs with 3 blocks (11 tokens;
+    # 3 <= its footprint 3 + 2): counts 3. b (8 tokens: 2 + 2): 3 + 4 = 7, starts; c (4 tokens:
+    # 1 + 2): 7 + 3 = 10, exactly the share: starts; d (1 token: 1 + 2): 10 + 3 = 13 > 10, waits
+    s = make(20, PrefillLimits(prefill_block_ratio=0.5, static_decode_blocks=2))
+    running(s, "a", 11)
+    for rid, n in (("b", 8), ("c", 4), ("d", 1)):
+        s.add(req(rid, n))
+    assert scheduled(s) == {"a": (11, 1), "b": (0, 8), "c": (0, 4)}
+    assert [r.request_id for r in s.waiting] == ["d"]
+
+
+def test_partial_prefills_admitted_in_one_step_add_up():
+    # chunks of 4, four 10-token prompts, each left part way (4 of 10). At most 3 partial prefills:
+    # the 4th waits; at most 2 long ones (over 8 tokens), with no limit on all: the 3rd waits
+    for lim, admitted in ((PrefillLimits(max_partial=3), 3),
+                          (PrefillLimits(max_long_partial=2, long_threshold=8), 2)):
+        s = make(64, lim, max_tokens_per_chunk_for_prefill=4)
+        for i in range(4):
+            s.add(req(f"w{i}", 10))
+        assert scheduled(s) == {f"w{i}": (0, 4) for i in range(admitted)}
+        assert [r.request_id for r in s.waiting] == [f"w{i}" for i in range(admitted, 4)]
