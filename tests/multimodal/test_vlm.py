@@ -55,6 +55,7 @@ def test_batch_of_images_matches_transformers(vlm):
     _check_against_hf(vlm, prompts, outs, 8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cache_mb,encodes", [(0, 3), (64, 1)])
 def test_prompt_chunked_across_the_image(tmp_path_factory, cache_mb, encodes):
     """Chunks of 8 tokens split a 20-token image over three steps: the same tokens as transformers;
