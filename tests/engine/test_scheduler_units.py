@@ -778,3 +778,16 @@ def test_a_chunked_prefill_adopts_blocks_of_its_own_image_only(b_key, b_steps):
     s.add(req("A", 40, mm_items=[image(4, 4, 1)])), s.add(b)
     assert [step(s)["B"] for _ in range(3)] == b_steps
     assert b.num_cached_tokens == (8 if b_key == 1 else 0)
+
+
+def test_a_decode_with_drafts_gets_the_draft_models_lookahead_slots():
+    # lookahead 2 (a draft model writes 2 slots past the step's tokens while it drafts). d: prompt
+    # 1..4 and output [9], 4 computed (block 0), drafts [5, 6]: the step computes positions 4-6
+    # (its last token and the 2 drafts), 7 slots, plus the lookahead: 9 slots, 3 blocks
+    cfg = load_config([], overrides={}).config
+    s = Scheduler(cfg.scheduler, KVCacheManager(64, 4), 256, lookahead=2)
+    d = put_running(s, req("d", 4), 4, (9,))
+    d.spec_token_ids = [5, 6]
+    so = s.schedule()
+    assert shape(so) == {"d": (4, 3)} and so.requests[0].new_token_ids == [9, 5, 6]
+    assert so.requests[0].block_ids == [0, 1, 2] and so.requests[0].num_spec_tokens == 2
