@@ -791,3 +791,19 @@ def test_a_decode_with_drafts_gets_the_draft_models_lookahead_slots():
     so = s.schedule()
     assert shape(so) == {"d": (4, 3)} and so.requests[0].new_token_ids == [9, 5, 6]
     assert so.requests[0].block_ids == [0, 1, 2] and so.requests[0].num_spec_tokens == 2
+
+
+@pytest.mark.parametrize(("tokens", "accepted"), [([5, 6, 8], 2), ([5, 7], 1), ([4], 0)])
+def test_update_keeps_the_accepted_drafts_and_takes_the_rejected_ones_back(tokens, accepted):
+    # d: prompt 1..4, output [9], 4 computed, drafts [5, 6]: the step computes positions 4-6 (7
+    # computed as if both were accepted). The runner returns the accepted drafts and one token more:
+    # [5, 6, 8] accepts both (7 computed), [5, 7] the first (6), [4] none (5)
+    cfg = load_config([], overrides={}).config
+    s = Scheduler(cfg.scheduler, KVCacheManager(64, 4), 256)
+    d = put_running(s, req("d", 4), 4, (9,))
+    d.spec_token_ids = [5, 6]
+    so = s.schedule()
+    assert shape(so) == {"d": (4, 3)} and d.num_computed_tokens == 7
+    assert s.update(so, RunnerOutput(["d"], [tokens], [None], [None])) == [(d, tokens)]
+    assert d.output_token_ids == [9, *tokens] and d.num_computed_tokens == 5 + accepted
+    assert (d.num_draft_tokens, d.num_accepted_tokens, d.num_pending) == (2, accepted, 0)
