@@ -797,13 +797,16 @@ def test_a_decode_with_drafts_gets_the_draft_models_lookahead_slots():
 def test_update_keeps_the_accepted_drafts_and_takes_the_rejected_ones_back(tokens, accepted):
     # d: prompt 1..4, output [9], 4 computed, drafts [5, 6]: the step computes positions 4-6 (7
     # computed as if both were accepted). The runner returns the accepted drafts and one token more:
-    # [5, 6, 8] accepts both (7 computed), [5, 7] the first (6), [4] none (5)
+    # [5, 6, 8] accepts both (7 computed), [5, 7] the first (6), [4] none (5). The counters add to
+    # the earlier steps' (4 drafts, 3 accepted); with the prefix cache, block 0 (positions 0-3, all
+    # computed however many drafts are taken back) is committed: one cached block
     cfg = load_config([], overrides={}).config
-    s = Scheduler(cfg.scheduler, KVCacheManager(64, 4), 256)
+    s = Scheduler(cfg.scheduler, KVCacheManager(64, 4, enable_prefix_cache=True), 256)
     d = put_running(s, req("d", 4), 4, (9,))
-    d.spec_token_ids = [5, 6]
+    d.spec_token_ids, d.num_draft_tokens, d.num_accepted_tokens = [5, 6], 4, 3
     so = s.schedule()
-    assert shape(so) == {"d": (4, 3)} and d.num_computed_tokens == 7
+    assert shape(so) == {"d": (4, 3)} and d.num_computed_tokens == 7 and s.kv.pool.num_cached == 0
     assert s.update(so, RunnerOutput(["d"], [tokens], [None], [None])) == [(d, tokens)]
     assert d.output_token_ids == [9, *tokens] and d.num_computed_tokens == 5 + accepted
-    assert (d.num_draft_tokens, d.num_accepted_tokens, d.num_pending) == (2, accepted, 0)
+    assert (d.num_draft_tokens, d.num_accepted_tokens, d.num_pending) == (6, 3 + accepted, 0)
+    assert s.kv.pool.num_cached == 1
