@@ -810,3 +810,33 @@ def test_update_keeps_the_accepted_drafts_and_takes_the_rejected_ones_back(token
     assert d.output_token_ids == [9, *tokens] and d.num_computed_tokens == 5 + accepted
     assert (d.num_draft_tokens, d.num_accepted_tokens, d.num_pending) == (6, 3 + accepted, 0)
     assert s.kv.pool.num_cached == 1
+
+
+def test_a_prefill_that_samples_gets_the_lookahead_slots_past_its_cached_prefix():
+    # lookahead 2. w (4 tokens) completes its prompt in its step and samples: 4 + 2 slots, 2 blocks.
+    # With the prefix cache: a (1..9) caches blocks 0-1; b (1..11) finds 8 tokens and computes 3:
+    # 11 + 2 slots, 4 blocks (blocks 0, 1 shared)
+    cfg = load_config([], overrides={}).config
+    s = Scheduler(cfg.scheduler, KVCacheManager(64, 4), 256, lookahead=2)
+    s.add(req("w", 4))
+    so = s.schedule()
+    assert shape(so) == {"w": (0, 4)} and so.requests[0].block_ids == [0, 1]
+    s = Scheduler(cfg.scheduler, KVCacheManager(64, 4, enable_prefix_cache=True), 256, lookahead=2)
+    s.add(req("a", 9))
+    assert step(s) == {"a": (0, 9)}  # a holds blocks 0-2
+    s.add(req("b", 11))
+    so = s.schedule()
+    assert shape(so) == {"a": (9, 1), "b": (8, 3)} and so.requests[1].block_ids == [0, 1, 3, 4]
+
+
+def test_rejected_drafts_give_back_the_blocks_they_took():
+    # d: prompt 1..4, output [9], 4 computed, drafts [5, 6, 7, 8]: positions 4-8, 9 slots, blocks 0-2.
+    # None accepted ([3]): 6 tokens known, 5 computed; the table keeps 2 blocks for 6 tokens
+    cfg = load_config([], overrides={}).config
+    s = Scheduler(cfg.scheduler, KVCacheManager(64, 4), 256)
+    d = put_running(s, req("d", 4), 4, (9,))
+    d.spec_token_ids = [5, 6, 7, 8]
+    so = s.schedule()
+    assert shape(so) == {"d": (4, 5)} and so.requests[0].block_ids == [0, 1, 2]
+    s.update(so, RunnerOutput(["d"], [[3]], [None], [None]))
+    assert d.num_computed_tokens == 5 and s.kv.tables["d"] == [0, 1] and s.kv.num_free_blocks == 62
