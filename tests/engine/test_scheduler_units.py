@@ -840,3 +840,13 @@ def test_rejected_drafts_give_back_the_blocks_they_took():
     assert shape(so) == {"d": (4, 5)} and so.requests[0].block_ids == [0, 1, 2]
     s.update(so, RunnerOutput(["d"], [[3]], [None], [None]))
     assert d.num_computed_tokens == 5 and s.kv.tables["d"] == [0, 1] and s.kv.num_free_blocks == 62
+
+
+def test_every_running_decode_with_drafts_is_scheduled():
+    # two decodes with drafts (d1 then d2, each prompt 1..4, output [9], 4 computed): both go in,
+    # each with its last token and its 2 drafts
+    cfg = load_config([], overrides={}).config
+    s = Scheduler(cfg.scheduler, KVCacheManager(64, 4), 256)
+    for rid in ("d1", "d2"):
+        put_running(s, req(rid, 4), 4, (9,)).spec_token_ids = [5, 6]
+    assert shape(s.schedule()) == {"d1": (4, 3), "d2": (4, 3)}
