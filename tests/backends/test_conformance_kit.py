@@ -27,7 +27,7 @@ SKIPS = {"cpu": ["'cpu' says float16 is not supported"],
                      + ["TemplateAttention does not implement MLA attention"] * 3}
 
 
-@pytest.mark.parametrize("device", ["cpu", "template"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("template", marks=pytest.mark.slow)])  # 12-17 s each
 def test_backend_passes_the_kit(device):
     r = run_kit("--heterollm-device", device, "-rs")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]

@@ -63,6 +63,7 @@ def test_a_shape_that_cannot_split_names_itself(tmp_path):
         LLM(str(folder), **FLAGS, tp_size=3)
 
 
+@pytest.mark.slow  # 33 s: the real model over three ranks (test_tp2_equals_tp1 covers TP in the default run)
 def test_smollm2_splits_its_9_heads_over_3_ranks():
     """SmolLM2-135M has 9 query heads and 3 KV heads: tp_size=3 splits both (one KV head per rank);
     tp_size=2 divides neither and is refused."""

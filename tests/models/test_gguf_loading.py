@@ -25,6 +25,7 @@ def test_dequantize_is_bit_identical_to_gguf(qtype):
         assert not torch.equal(got, torch.from_numpy(x.reshape(-1)))  # really quantized data
 
 
+@pytest.mark.slow  # 14 s (the invalidation test below stays in the default run)
 def test_metadata_cache_round_trip(tmp_path, monkeypatch):
     monkeypatch.setenv("HETEROLLM_CACHE_DIR", str(tmp_path))
     path = smollm2_gguf()

@@ -141,6 +141,7 @@ def test_dp_size_2_serves_from_two_replicas(long_model):
     assert proc.returncode == 0
 
 
+@pytest.mark.slow  # 16 s (test_engine_core's killed-core test covers the failure path in the default run)
 def test_a_dead_worker_fails_the_stream_and_serve_exits_1(long_model):
     proc, url = _serve(long_model, "--tp_size=2", "--health_check_interval_ms=200")
     try:
