@@ -100,9 +100,7 @@ class MultiModalProcessor:
         """(prompt ids with each image's placeholder expanded, one item per image). The prompt holds
         one placeholder per image (a run of `<|image_pad|>` already expanded to the image's length is
         taken as it is); every mismatch is a RequestRejected naming `field`."""
-        if len(images) > self.max_images:
-            raise RequestRejected(field, f"{len(images)} images exceed this server's limit of {self.max_images} per "
-                                         f"prompt (--limit_image_per_prompt / --limit_mm_per_prompt)")
+        self.check_count(len(images), field)
         runs = self._placeholder_runs(prompt_ids)
         if len(runs) != len(images):
             raise RequestRejected(field, f"the prompt has {len(runs)} image placeholder(s) but {len(images)} image(s) "
@@ -137,6 +135,12 @@ class MultiModalProcessor:
             cursor = end
         ids += prompt_ids[cursor:]
         return ids, items
+
+    def check_count(self, count: int, field: str) -> None:
+        """A RequestRejected naming `field` when a prompt brings more images than the launch allows."""
+        if count > self.max_images:
+            raise RequestRejected(field, f"{count} images exceed this server's limit of {self.max_images} per "
+                                         f"prompt (--limit_image_per_prompt / --limit_mm_per_prompt)")
 
     def _placeholder_runs(self, ids: Sequence[int]) -> list[tuple[int, int]]:
         runs, i = [], 0
@@ -239,10 +243,7 @@ class MultiModalInputs:
                 raise RequestRejected(f"{field}.image", f"the model {self.model_name} is text-only: it takes no "
                                                         f"images (serve a vision-language model, e.g. Qwen2-VL)")
             return list(prompt_ids), []
-        if len(images) > self.processor.max_images:  # before fetching any of them
-            raise RequestRejected(f"{field}.image", f"{len(images)} images exceed this server's limit of "
-                                                    f"{self.processor.max_images} per prompt (--limit_image_per_prompt "
-                                                    f"/ --limit_mm_per_prompt)")
+        self.processor.check_count(len(images), f"{field}.image")  # before fetching any of them
         loaded = [load_image(img, f"{field}.image.{i}", self.policy, headers) for i, img in enumerate(images)]
         return self.processor.process(prompt_ids, loaded, kwargs, f"{field}.image")
 
