@@ -82,7 +82,7 @@ class LLMEngine:
         self._reservation: tuple[str, Path] | None = None
         """(key, registry file) of this engine's entry in the host's memory registry, until shutdown."""
         self.selection = launch_selection(config, lambda: self._resolve_model().architectures)
-        check_model_support(self.selection, self.source.hf_config)
+        check_model_support(self.selection, self.source.hf_config, config.kv_cache.kv_cache_dtype)
         check_spec_support(self.selection, config)
         self.plugins = make_plugin_manager()
         """The general plugins' request hooks (`heterollm.plugins`), built once per engine."""

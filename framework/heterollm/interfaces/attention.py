@@ -91,10 +91,34 @@ class AttentionBackend(Component):
     batch of prefill chunks and decodes in one call. It owns the cache layout, including any
     scratch block a graph runner pads batches onto."""
 
+    cache_block_dim: int = 2
+    """The dimension of a `kv_cache_shape` (and `mla_cache_shape`) tensor that indexes blocks: a KV
+    connector moves block b of a layer as `cache.select(cache_block_dim, b)`. The default is the
+    core's layouts' (2, kv heads, blocks, block size, head dim); a layout with blocks first sets 0."""
+
     @abstractmethod
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         """Shape of one layer's KV cache tensor (K and V together) holding `num_blocks` blocks for
         sequences, plus any scratch block of its own."""
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, kv_cache_dtype: str) -> bool:
+        """Whether this backend stores K/V quantized as `kv_cache_dtype` (--kv_cache_dtype; "auto", the
+        model's dtype through `kv_cache_shape`, is served by every backend). For "int8", K and V of each
+        token and KV head are held as int8 with a float scale of their own (symmetric absmax); how the
+        values and scales are laid out is the backend's (`quantized_kv_cache_shape`). False for anything
+        but "auto" (the default): the launch is refused with that reason. A latent (MLA) cache stays in
+        the model dtype whatever this says: a launch of an MLA model with int8 is refused."""
+        return kv_cache_dtype == "auto"
+
+    def quantized_kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                                 kv_cache_dtype: str) -> tuple[int, ...]:
+        """Shape of one layer's cache tensor of element type `getattr(torch, kv_cache_dtype)` (only where
+        `supports_kv_cache_dtype(kv_cache_dtype)`): the quantized K and V and their scales together in one
+        tensor, so the runner, graph runners and block copies keep handling one tensor per layer and
+        the block count follows its bytes (scales included). `forward` then gets that tensor as
+        `kv_cache`, knows it by its dtype, quantizes the new K/V on write and dequantizes on read."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement a quantized KV cache")
 
     def scratch_block(self, kv_cache: torch.Tensor) -> int | None:
         """Id of a block outside `num_blocks` that no sequence owns: a graph runner writes a padded
@@ -158,7 +182,8 @@ class AttentionBackend(Component):
         """Causal paged attention.
 
         query: (num_tokens, num_heads, head_dim); key, value: (num_tokens, num_kv_heads, head_dim);
-        kv_cache: this layer's tensor of `kv_cache_shape`. Returns (num_tokens, num_heads, head_dim).
+        kv_cache: this layer's tensor of `kv_cache_shape` (or of `quantized_kv_cache_shape` under
+        --kv_cache_dtype). Returns (num_tokens, num_heads, head_dim).
         `sliding_window` W (only where `supports_sliding_window()`): the query at position p attends
         to keys at positions p - W + 1 .. p, as transformers' sliding-window mask; None: to all.
         `logit_softcap` c (only where `supports_logit_softcap()`): scores s = scale * q.k become

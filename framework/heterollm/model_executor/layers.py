@@ -5,6 +5,8 @@ Each parameter carries a `weight_loader(param, full_tensor)` that takes the chec
 tensor and keeps this rank's shard."""
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -256,11 +258,35 @@ class MlaAttention(nn.Module):
                                        self.value_dim)
 
 
-def cache_layout(model: Any, backend: Any, num_blocks: int, block_size: int) -> tuple[int, tuple[int, ...], int]:
-    """(layers, one layer's cache shape, cached values per token and layer) of `model` on `backend`:
-    K and V per KV head, or one latent per token where the model sets `kv_latent_dim` (MLA)."""
+@dataclass(frozen=True)
+class CacheLayout:
+    """One model's KV cache on the selected attention backend: `num_layers` tensors of `shape` and `dtype`."""
+
+    num_layers: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    bytes_per_block: int
+    """What one more block costs across every layer, scales of a quantized cache included."""
+
+
+def cache_layout(model: Any, backend: Any, num_blocks: int, block_size: int, model_dtype: torch.dtype,
+                 kv_cache_dtype: str = "auto") -> CacheLayout:
+    """The cache of `model` on `backend`: K and V per KV head, or one latent per token where the model
+    sets `kv_latent_dim` (MLA); in the model dtype, or quantized as --kv_cache_dtype says (the launch
+    checked that the backend `supports_kv_cache_dtype` it and that the model is not MLA)."""
     layers, kv_heads, head_dim = model.kv_geometry
     latent = getattr(model, "kv_latent_dim", None)
-    if latent:
-        return layers, backend.mla_cache_shape(num_blocks, block_size, latent), latent
-    return layers, backend.kv_cache_shape(num_blocks, block_size, kv_heads, head_dim), 2 * kv_heads * head_dim
+    quantized = not latent and kv_cache_dtype != "auto"
+
+    def shape_of(num: int) -> tuple[int, ...]:
+        if latent:
+            return backend.mla_cache_shape(num, block_size, latent)
+        if quantized:
+            return backend.quantized_kv_cache_shape(num, block_size, kv_heads, head_dim, kv_cache_dtype)
+        return backend.kv_cache_shape(num, block_size, kv_heads, head_dim)
+
+    dtype = getattr(torch, kv_cache_dtype) if quantized else model_dtype
+    # a layout may hold scratch blocks beyond num_blocks: a block's cost is what one more adds
+    per_block = math.prod(shape_of(2)) - math.prod(shape_of(1))
+    element = torch.empty((), dtype=dtype).element_size()
+    return CacheLayout(layers, tuple(shape_of(num_blocks)), dtype, layers * per_block * element)

@@ -28,10 +28,11 @@ def get_model_class(selection: Selection, architectures: Sequence[str], where: s
     return selection.model.obj
 
 
-def check_model_support(selection: Selection, hf_config: Any) -> None:
+def check_model_support(selection: Selection, hf_config: Any, kv_cache_dtype: str = "auto") -> None:
     """Raise a LaunchError when the selected attention backend cannot run this checkpoint faithfully:
     a sliding window or capped attention scores it does not honour would silently change answers,
-    and latent attention (MLA) it does not implement could not run at all."""
+    and latent attention (MLA) it does not implement could not run at all; nor can a quantized KV
+    cache (--kv_cache_dtype) the backend does not store, or one of a latent cache."""
     from heterollm.model_executor.layers import sliding_window
     from heterollm.plugins.resolver import LaunchError
 
@@ -53,8 +54,23 @@ def check_model_support(selection: Selection, hf_config: Any) -> None:
         reasons.append(f"--model: the checkpoint uses multi-head latent attention (kv_lora_rank="
                        f"{hf_config.kv_lora_rank}), which {backend} does not implement (supports_mla() is "
                        f"False); choose an attention family that does, e.g. the CPU backend's")
+    reasons += _kv_cache_dtype_problems(backend, attention.obj, hf_config, kv_cache_dtype)
     if reasons:
         raise LaunchError(reasons)
+
+
+def _kv_cache_dtype_problems(backend: str, attention: Any, hf_config: Any, kv_cache_dtype: str) -> list[str]:
+    if kv_cache_dtype == "auto":
+        return []
+    flag = f"--kv_cache_dtype={kv_cache_dtype}"
+    if not attention.supports_kv_cache_dtype(kv_cache_dtype):
+        return [f"{flag}: {backend} does not store a quantized KV cache of that type "
+                f"(supports_kv_cache_dtype({kv_cache_dtype!r}) is False); use --kv_cache_dtype=auto"]
+    if is_mla_config(hf_config):
+        return [f"{flag}: the checkpoint uses multi-head latent attention (kv_lora_rank={hf_config.kv_lora_rank}), "
+                f"whose latent cache is kept in the model dtype (a quantized latent cache is not built); "
+                f"use --kv_cache_dtype=auto"]
+    return []
 
 
 def is_mla_config(hf_config: Any) -> bool:

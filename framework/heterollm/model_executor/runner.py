@@ -20,7 +20,7 @@ from heterollm.model_executor import ops
 from heterollm.model_executor.linear_method import (model_bytes, prepare_linears, repack_after_reload,
                                                      select_linear_method, unpack_for_reload)
 from heterollm.model_executor.checkpoint_slice import ReadStats
-from heterollm.model_executor.layers import cache_layout
+from heterollm.model_executor.layers import CacheLayout, cache_layout
 from heterollm.model_executor.mm_encoder import MultiModalRunner
 from heterollm.model_executor.loader import ModelSource, iter_weights
 from heterollm.model_executor.moe import FusedMoE, prepare_experts
@@ -308,10 +308,15 @@ class ModelRunner:
             raise ConfigError(f"{flag}: the communicator {type(comm).__name__} does not implement all_to_all, "
                               f"which dispatches tokens to their experts' ranks")
 
+    def cache_layout(self, model: Any, num_blocks: int) -> CacheLayout:
+        """`model`'s KV cache tensors here (the target's or a draft model's), per --kv_cache_dtype."""
+        return cache_layout(model, self.attn_backend, num_blocks, self.block_size, self.dtype,
+                            self.config.kv_cache.kv_cache_dtype)
+
     def kv_bytes_per_block(self) -> int:
-        """Per block of the cache: the target's K/V, plus a draft model's when one runs."""
-        layers, _, per_token = cache_layout(self.model, self.attn_backend, 1, self.block_size)
-        own = layers * self.block_size * per_token * torch.empty((), dtype=self.dtype).element_size()
+        """Per block of the cache: the target's K/V (and their scales, quantized), plus a draft model's
+        when one runs."""
+        own = self.cache_layout(self.model, 1).bytes_per_block
         return own + (self.drafter.kv_bytes_per_block() if self.drafter is not None else 0)
 
     def activation_peak_bytes(self, num_tokens: int) -> int:
@@ -344,11 +349,12 @@ class ModelRunner:
         if self.pctx.dp_size > 1:
             self.dp_blocks = num_blocks // self.pctx.dp_size
             num_blocks = self.dp_blocks + 1
-        layers, shape, _ = cache_layout(self.model, self.attn_backend, num_blocks, self.block_size)
+        layout = self.cache_layout(self.model, num_blocks)
         # empty, not zeros: pages are committed as blocks are first written; backends never read
         # a slot that has not been written for the sequence reading it
         try:
-            self.kv_caches = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
+            self.kv_caches = [torch.empty(layout.shape, dtype=layout.dtype, device=self.device)
+                              for _ in range(layout.num_layers)]
             if self.drafter is not None:
                 self.drafter.initialize_cache(num_blocks)
         except (RuntimeError, MemoryError) as exc:  # the device's out-of-memory errors are RuntimeErrors

@@ -21,7 +21,6 @@ import torch
 from heterollm.config import ConfigError
 from heterollm.interfaces import AttentionInputs, ForwardContext, ScheduledRequest, StepInputs
 from heterollm.model_executor.checkpoint_slice import ReadStats
-from heterollm.model_executor.layers import cache_layout
 from heterollm.model_executor.linear_method import model_bytes, prepare_linears, select_linear_method
 from heterollm.model_executor.loader import iter_weights, resolve_model
 from heterollm.plugins.registry import get_registry
@@ -98,14 +97,12 @@ class DraftModel:
                     " (sampled: --enable_probabilistic_draft)" if self.spec.probabilistic else " (greedy)")
 
     def kv_bytes_per_block(self) -> int:
-        layers, _, per_token = cache_layout(self.model, self.runner.attn_backend, 1, self.runner.block_size)
-        elt = torch.empty((), dtype=self.runner.dtype).element_size()
-        return layers * self.runner.block_size * per_token * elt
+        return self.runner.cache_layout(self.model, 1).bytes_per_block
 
     def initialize_cache(self, num_blocks: int) -> None:
-        r = self.runner
-        layers, shape, _ = cache_layout(self.model, r.attn_backend, num_blocks, r.block_size)
-        self.kv_caches = [torch.empty(shape, dtype=r.dtype, device=r.device) for _ in range(layers)]
+        layout = self.runner.cache_layout(self.model, num_blocks)
+        self.kv_caches = [torch.empty(layout.shape, dtype=layout.dtype, device=self.runner.device)
+                          for _ in range(layout.num_layers)]
 
     # -- one step --------------------------------------------------------------------------
     def forget(self, request_ids: list[str]) -> None:
