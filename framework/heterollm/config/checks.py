@@ -40,6 +40,7 @@ def check_flag_combinations(config: HeterollmConfig) -> list[str]:
                             + ("it keeps running decodes within" if flag.startswith("enable_latency")
                                else "a step's tokens are budgeted to meet"))
     problems += expert_parallel_problems(config)
+    problems += discovery_problems(config)
     problems += spec_problems(config)
     if config.kv_cache.kv_events_config:
         events = parse_kv_events_config(config.kv_cache.kv_events_config)
@@ -119,6 +120,41 @@ def expert_parallel_problems(config: HeterollmConfig) -> list[str]:
     return problems
 
 
+def _is_host_port(address: str) -> bool:
+    host, _, port = address.rpartition("://")[2].rstrip("/").rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+
+def discovery_problems(config: HeterollmConfig) -> list[str]:
+    """Service discovery: one service layer (etcd, or an xservice over HTTP), named well."""
+    from heterollm.config.support import show_value
+
+    dist, problems = config.distributed, []
+    if dist.etcd_addr and dist.xservice_address:
+        problems.append("--etcd_addr and --xservice_address: give one (an instance registers in etcd, or over HTTP "
+                        "with the xservice at --xservice_address, not both)")
+    for name in ("etcd_addr", "xservice_address"):
+        value = getattr(dist, name)
+        if value and not _is_host_port(value):
+            problems.append(f"--{name}={value}: expected host:port")
+    if dist.xservice_address and dist.xservice_rpc_protocol == "baidu_std":
+        problems.append("--xservice_address with --xservice_rpc_protocol=baidu_std: brpc's baidu_std protocol is "
+                        "not built (heterollm has no brpc); use --xservice_rpc_protocol=http")
+    if dist.xservice_rpc_protocol == "http" and not dist.xservice_address:
+        problems.append("--xservice_rpc_protocol=http: it is the protocol of --xservice_address, which is unset "
+                        "(with --etcd_addr an instance registers in etcd and talks to no xservice)")
+    if not (dist.etcd_addr or dist.xservice_address):
+        specs = current_schema().specs
+        for name in ("enable_service_routing", "etcd_namespace", "heart_beat_interval", "etcd_ttl"):
+            if getattr(dist, name) != specs[name].default:
+                problems.append(f"--{name}={show_value(getattr(dist, name))}: service discovery is off; it needs --etcd_addr "
+                                f"or --xservice_address (the instance registers whenever one is given)")
+    if dist.etcd_addr and dist.etcd_ttl <= dist.heart_beat_interval:
+        problems.append(f"--etcd_ttl={dist.etcd_ttl}: must exceed --heart_beat_interval={dist.heart_beat_interval} "
+                        f"(the lease would expire between two renewals)")
+    return problems
+
+
 def check_single_replica(config: HeterollmConfig, where: str) -> None:
     """--dp_size replicas live behind `heterollm serve`; other entry points run one engine, in their
     own process (so the flags of the engine-core process's link mean nothing there either)."""
@@ -132,3 +168,7 @@ def check_single_replica(config: HeterollmConfig, where: str) -> None:
         if values[name] != specs[name].default:
             raise ConfigError(f"--{name}={values[name]}: it sets up the link to `heterollm serve`'s engine-core "
                               f"process; {where} runs the engine in its own process")
+    for name in ("etcd_addr", "xservice_address"):
+        if values[name]:
+            raise ConfigError(f"--{name}={values[name]}: it registers `heterollm serve`'s HTTP server for routing; "
+                              f"{where} serves no HTTP")

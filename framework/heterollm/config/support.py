@@ -61,10 +61,10 @@ _planned("graph_optimization_config "
 _planned("swap_space enable_kvcache_store prefetch_timeout prefetch_batch_size layers_wise_copy_batchs host_blocks_factor "
          "store_protocol store_rdma_devices store_master_server_address store_metadata_server store_local_hostname "
          "enable_control_h2d_block_num", "KV cache store / host tier")
-_planned("enable_disagg_pd disagg_pd_port instance_role kv_cache_transfer_mode transfer_listen_port "
+_planned("enable_disagg_pd disagg_pd_port kv_cache_transfer_mode transfer_listen_port "
          "kv_push_dst_rotate splitwise_role innode_prefill_ports", "PD disaggregation")
-_planned("etcd_addr etcd_namespace enable_service_routing xservice_rpc_protocol xservice_address heart_beat_interval "
-         "etcd_ttl", "service discovery")
+_planned("instance_role", "PD disaggregation: a PREFILL or DECODE instance; DEFAULT and MIX serve whole requests "
+         "and are recorded as such when the instance registers", ok=("MIX",))
 _planned("disable_ttft_profiling", "it skips the TTFT / TPOT profile a disaggregated-PD instance reports to the "
          "service router; PD disaggregation")
 _planned("indexer_cache_dtype max_linear_state_cache_slots phy_page_granularity_size enable_dsa_multi_stream",

@@ -9,14 +9,18 @@ SIGTERM or Ctrl-C: stop accepting connections, let in-flight requests finish for
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import socket
+import time
+from typing import Any
 
 from heterollm import envs
 from heterollm.config import ConfigError, LoadedConfig
 from heterollm.config.checks import engine_replicas
 from heterollm.config.base import FlagGroup, flag
+from heterollm.service.instance import Load
 
 logger = logging.getLogger("heterollm.server")
 
@@ -52,6 +56,41 @@ def server_settings(loaded: LoadedConfig):
                           max_waiting_time=float(waiting) if waiting >= 0 else None)
 
 
+def make_registrar(cfg, model_name: str, host: str, port: int):
+    """The instance's registration with --etcd_addr or --xservice_address, or None (not started)."""
+    from heterollm.service.instance import InstanceInfo
+    from heterollm.service.registrar import EtcdRegistrar, XServiceRegistrar
+
+    dist = cfg.distributed
+    if not (dist.etcd_addr or dist.xservice_address):
+        return None
+    info = InstanceInfo(name=f"{advertised_host(host)}:{port}", role=cfg.pd.instance_role,
+                        model=model_name, dp_size=engine_replicas(cfg), block_size=cfg.kv_cache.block_size,
+                        register_ts_ms=int(time.time() * 1000))
+    idle = lambda: Load()  # noqa: E731  (replaced by the replicas' load once they run)
+    if dist.etcd_addr:
+        return EtcdRegistrar(dist.etcd_addr, dist.etcd_namespace, dist.etcd_ttl, info, idle, dist.heart_beat_interval)
+    return XServiceRegistrar(dist.xservice_address, info, idle, dist.heart_beat_interval)
+
+
+def advertised_host(host: str) -> str:
+    """The address other hosts reach this one at: `host`, or this host's own for a wildcard."""
+    if host not in ("", "0.0.0.0", "::"):
+        return host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def replicas_load(replicas) -> Load:
+    """Running and waiting sequences summed over the engine replicas; KV cache usage their mean."""
+    stats = [replica.stats() for replica in replicas]
+    return Load(running_requests_num=sum(int(s["running"]) for s in stats),
+                waiting_requests_num=sum(int(s["waiting"]) for s in stats),
+                gpu_cache_usage_perc=sum(float(s["kv_usage"]) for s in stats) / max(1, len(stats)))
+
+
 def _graceful_server_class():
     import uvicorn
 
@@ -60,6 +99,9 @@ def _graceful_server_class():
         die by SIGTERM (exit -15). A graceful shutdown is a success: forget the captured signal and
         let `heterollm serve` return 0."""
 
+        before_shutdown: Any = None
+        """Called when shutdown begins, before in-flight requests drain (deregistration)."""
+
         @contextlib.contextmanager
         def capture_signals(self):
             with super().capture_signals():
@@ -67,6 +109,11 @@ def _graceful_server_class():
                     yield
                 finally:
                     self._captured_signals.clear()
+
+        async def shutdown(self, sockets=None) -> None:
+            if self.before_shutdown is not None:
+                await asyncio.to_thread(self.before_shutdown)
+            await super().shutdown(sockets=sockets)
 
     return GracefulServer
 
@@ -91,6 +138,9 @@ def run_serve(loaded: LoadedConfig) -> int:
                               "anyway, leave --metrics_port unset")
         _check_port(host, metrics_port, "metrics_port")
     settings = server_settings(loaded)
+    registrar = make_registrar(cfg, settings.served_model_names[0], host, port)
+    if registrar is not None:
+        registrar.check()  # an unreachable service layer is a launch error, before any process starts
     dp = engine_replicas(cfg)
     platform = resolve(cfg).platform  # the launch checks, before any process starts (each core runs them again)
     if dp > 1 and platform.device_type != "cpu":
@@ -120,9 +170,16 @@ def run_serve(loaded: LoadedConfig) -> int:
         http.should_exit = True
 
     server.on_engine_dead = engine_died
+    if registrar is not None:
+        registrar.load = lambda: replicas_load(server.replicas)
+        registrar.ready = lambda: http.started and not http.should_exit
+        http.before_shutdown = registrar.stop
+        registrar.start()
     try:
         http.run()
     finally:  # normally the app's shutdown stopped them already
+        if registrar is not None:
+            registrar.stop(deregister=True)
         for engine in engines:
             engine.shutdown()
     dead = [r.dead for r in server.replicas if r.dead]

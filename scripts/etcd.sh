@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# A real etcd on loopback for service discovery (tests, local trials).
+#
+#   scripts/etcd.sh start [--port PORT] [--data-dir DIR]   start it in the background, wait until
+#                                                          healthy, print its endpoint (127.0.0.1:PORT)
+#   scripts/etcd.sh stop --data-dir DIR                    stop the etcd started on DIR (SIGTERM, then wait)
+#
+# PORT defaults to a free one; DIR to a new temporary folder. The pid and the log live in DIR, so a
+# stop, then a start on the same --port and --data-dir, is a restart that keeps the keys and leases.
+set -euo pipefail
+
+usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+
+free_port() {
+    "${PYTHON:-python3}" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+cmd=${1:-}; shift || true
+port=""; data_dir=""
+while [ $# -gt 0 ]; do
+    case $1 in
+        --port) port=$2; shift 2 ;;
+        --data-dir) data_dir=$2; shift 2 ;;
+        *) usage ;;
+    esac
+done
+
+start() {
+    command -v etcd >/dev/null || { echo "etcd.sh: etcd is not installed (scripts/setup.sh installs etcd-server)" >&2; exit 1; }
+    [ -n "$port" ] || port=$(free_port)
+    [ -n "$data_dir" ] || data_dir=$(mktemp -d -t heterollm-etcd-XXXXXX)
+    mkdir -p "$data_dir"
+    local peer; peer=$(free_port)
+    # ETCD_UNSUPPORTED_ARCH lets Debian's etcd run on arm64 too; the data dir is private to this etcd
+    ETCD_UNSUPPORTED_ARCH=${ETCD_UNSUPPORTED_ARCH:-arm64} nohup etcd --name heterollm-test \
+        --data-dir "$data_dir/data" \
+        --listen-client-urls "http://127.0.0.1:$port" --advertise-client-urls "http://127.0.0.1:$port" \
+        --listen-peer-urls "http://127.0.0.1:$peer" --initial-advertise-peer-urls "http://127.0.0.1:$peer" \
+        --initial-cluster "heterollm-test=http://127.0.0.1:$peer" \
+        >>"$data_dir/etcd.log" 2>&1 </dev/null &
+    echo $! >"$data_dir/etcd.pid"
+    for _ in $(seq 1 100); do  # up to 10 s
+        if curl -sf --max-time 1 "http://127.0.0.1:$port/health" 2>/dev/null | grep -q '"health":"true"'; then
+            echo "127.0.0.1:$port"
+            return 0
+        fi
+        if ! kill -0 "$(cat "$data_dir/etcd.pid")" 2>/dev/null; then
+            echo "etcd.sh: etcd exited at start; last log lines:" >&2
+            tail -5 "$data_dir/etcd.log" >&2
+            exit 1
+        fi
+        sleep 0.1
+    done
+    echo "etcd.sh: etcd on 127.0.0.1:$port not healthy after 10 s (log: $data_dir/etcd.log)" >&2
+    exit 1
+}
+
+stop() {
+    [ -n "$data_dir" ] || usage
+    local pid_file="$data_dir/etcd.pid"
+    [ -f "$pid_file" ] || { echo "etcd.sh: no etcd.pid in $data_dir" >&2; exit 1; }
+    local pid; pid=$(cat "$pid_file")
+    kill "$pid" 2>/dev/null || true
+    for _ in $(seq 1 100); do
+        kill -0 "$pid" 2>/dev/null || { rm -f "$pid_file"; return 0; }
+        sleep 0.1
+    done
+    kill -9 "$pid" 2>/dev/null || true
+    rm -f "$pid_file"
+}
+
+case $cmd in
+    start) start ;;
+    stop) stop ;;
+    *) usage ;;
+esac
