@@ -1,4 +1,4 @@
-"""The `heterollm` command: serve, generate, backends, models, config.
+"""The `heterollm` command: serve, route, generate, backends, models, config.
 
 Every config or launch error is one line on stderr, `heterollm: error: ...`, and exit code 2;
 never a traceback.
@@ -15,6 +15,7 @@ from heterollm.config import ConfigError, LoadedConfig, dump_config, load_config
 from heterollm.config.base import FlagGroup
 from heterollm.config.loader import FlagTable
 from heterollm.entrypoints.generate import GenerateFlags
+from heterollm.entrypoints.route import RouteFlags
 from heterollm.entrypoints.serve import ServeFlags
 
 EXIT_USAGE = 2
@@ -72,6 +73,12 @@ def _cmd_serve(loaded: LoadedConfig) -> int:
     return run_node_workers(loaded.config) if _worker_node(loaded) else run_serve(loaded)
 
 
+def _cmd_route(loaded: LoadedConfig) -> int:
+    from heterollm.entrypoints.route import run_route
+    _configure_logging()
+    return run_route(loaded)
+
+
 def _cmd_generate(loaded: LoadedConfig) -> int:
     from heterollm.distributed.executor import run_node_workers
     from heterollm.entrypoints.generate import run_generate
@@ -81,6 +88,8 @@ def _cmd_generate(loaded: LoadedConfig) -> int:
 
 COMMANDS: dict[str, Command] = {
     "serve": Command("run the OpenAI-compatible HTTP server", _cmd_serve, extra_groups={"serve": ServeFlags}),
+    "route": Command("route OpenAI requests to the least-loaded registered instance (etcd, HTTP or --instances)",
+                     _cmd_route, extra_groups={"route": RouteFlags}, needs_model=False),
     "generate": Command("generate text for a prompt, offline, streaming to the terminal", _cmd_generate,
                         extra_groups={"generate": GenerateFlags}),
     "backends": Command("list discovered platforms and components, with origin and usability", _cmd_backends,
