@@ -19,6 +19,12 @@ cache, bf16 dot-product instructions; 2.4-3x SDPA's speed at 128-512-token promp
 gather plans are built once per step in `build_metadata` and shared by every layer. A layer's sliding
 window masks the keys before it (decode bias, prefill mask); the cache still holds them. Capped
 scores (Gemma 2's tanh soft-capping) run prefill chunks through explicit matmuls instead of SDPA.
+
+With --kv_cache_dtype int8 the layout is the same with each row of head_dim values replaced by its
+int8 bytes and float32 scale (kv_int8.py: one scale per token and KV head), about half a bf16
+cache's bytes: new K/V are quantized as they are written, cached K/V dequantized to the model dtype
+as they are gathered, and every step runs the torch path (the C++ kernels read float caches only).
+A chunk with no cached context attends to its own unquantized K/V.
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from heterollm.interfaces import AttentionBackend, AttentionInputs, AttentionMetadata
-from heterollm_cpu import kernels
+from heterollm_cpu import kernels, kv_int8
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 """What the C++ decode kernel reads and writes (the torch path serves the rest)."""
@@ -46,13 +52,24 @@ def slot_mapping(tables: torch.Tensor, context_lens: torch.Tensor, query_lens: t
 
 def _write_kv(kv_cache: torch.Tensor, fresh_blocks: torch.Tensor, slots: torch.Tensor, key: torch.Tensor,
               value: torch.Tensor) -> None:
-    """Zero the step's fresh blocks, then store its new K/V (T, KV, D) in their slots, in place."""
+    """Zero the step's fresh blocks, then store its new K/V (T, KV, D) in their slots, in place
+    (quantized into int8 rows in an int8 cache)."""
     num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[-1]
+    if kv_cache.dtype == torch.int8:
+        key, value = kv_int8.quantize(key), kv_int8.quantize(value)
     if len(fresh_blocks):
         kv_cache.index_fill_(2, fresh_blocks, 0)
     # (KV, slots, D) views; the new tokens' (T, KV, D) go in as (KV, T, D)
     kv_cache[0].view(num_kv_heads, -1, head_dim).index_copy_(1, slots, key.transpose(0, 1).to(kv_cache.dtype))
     kv_cache[1].view(num_kv_heads, -1, head_dim).index_copy_(1, slots, value.transpose(0, 1).to(kv_cache.dtype))
+
+
+def _gather(plane: torch.Tensor, blocks: torch.Tensor, shape: tuple[int, ...], head_dim: int,
+            dtype: torch.dtype) -> torch.Tensor:
+    """`blocks` of one cache plane (K or V, (KV, blocks, block_size, row)) as (*shape, head_dim):
+    an int8 plane's rows dequantized to `dtype`, a float plane's as stored."""
+    rows = plane.index_select(1, blocks).view(*shape, plane.shape[-1])
+    return kv_int8.dequantize(rows, head_dim, dtype) if plane.dtype == torch.int8 else rows
 
 
 def _write_latent(kv_cache: torch.Tensor, fresh_blocks: torch.Tensor, slots: torch.Tensor,
@@ -170,6 +187,10 @@ class CpuPagedAttention(AttentionBackend):
     def supports_mla(cls) -> bool:
         return True
 
+    @classmethod
+    def supports_kv_cache_dtype(cls, kv_cache_dtype: str) -> bool:
+        return kv_cache_dtype in ("auto", "int8")
+
     def __init__(self) -> None:
         self.kernel = kernels.available()
         """Whether the C++ decode kernel is loaded: asked here, once, not in `forward`, which the graph
@@ -179,6 +200,11 @@ class CpuPagedAttention(AttentionBackend):
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (2, num_kv_heads, num_blocks, block_size, head_dim)
+
+    def quantized_kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                                 kv_cache_dtype: str) -> tuple[int, ...]:
+        """int8: `kv_cache_shape` with each row of head_dim values as its int8 bytes and scale (kv_int8.py)."""
+        return (2, num_kv_heads, num_blocks, block_size, kv_int8.row_bytes(head_dim))
 
     def mla_cache_shape(self, num_blocks: int, block_size: int, latent_dim: int) -> tuple[int, ...]:
         """(1, 1, num_blocks, block_size, latent_dim): the K plane of one KV head, so the gather plans,
@@ -260,7 +286,7 @@ class CpuPagedAttention(AttentionBackend):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: CpuAttentionMetadata, scale: float, sliding_window: int | None = None,
                 logit_softcap: float | None = None) -> torch.Tensor:
-        _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+        num_kv_heads, head_dim = kv_cache.shape[1], query.shape[-1]
         if torch.compiler.is_compiling():  # one opaque in-place op: a compiled step must not copy the cache
             torch.ops.heterollm_cpu.write_kv(kv_cache, metadata.fresh_blocks, metadata.slot_mapping, key, value)
         else:
@@ -303,9 +329,9 @@ class CpuPagedAttention(AttentionBackend):
             if blocks is None:  # no cached context: the chunk's own K/V, plain causal
                 k, v = key[s:e].transpose(0, 1), value[s:e].transpose(0, 1)
             else:
-                total = mask.shape[1]
-                k = kv_cache[0].index_select(1, blocks).view(num_kv_heads, -1, head_dim)[:, :total]
-                v = kv_cache[1].index_select(1, blocks).view(num_kv_heads, -1, head_dim)[:, :total]
+                shape = (num_kv_heads, len(blocks) * kv_cache.shape[3])
+                k = _gather(kv_cache[0], blocks, shape, head_dim, q.dtype)[:, :mask.shape[1]]
+                v = _gather(kv_cache[1], blocks, shape, head_dim, q.dtype)[:, :mask.shape[1]]
             if logit_softcap is not None:
                 if mask is None:  # the chunk alone: an explicit causal mask (a window of the whole chunk)
                     mask = _window_mask(e - s, None, e - s, query.device)
@@ -356,11 +382,11 @@ class CpuPagedAttention(AttentionBackend):
     def _decode(query: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor,
                 scale: float, logit_softcap: float | None = None) -> torch.Tensor:
         """query (B, H, D), one token per sequence; blocks (B * nb,); bias (1, B, 1, L). -> (B, H, D)"""
-        num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[-1]
+        num_kv_heads, head_dim = kv_cache.shape[1], query.shape[-1]
         b, heads, length = query.shape[0], query.shape[1], bias.shape[-1]
         # explicit sizes, no -1: under torch.compile a batch of one then takes the same graph as any other
-        k = kv_cache[0].index_select(1, blocks).view(num_kv_heads, b, length, head_dim)  # (KV, B, L, D)
-        v = kv_cache[1].index_select(1, blocks).view(num_kv_heads, b, length, head_dim)
+        k = _gather(kv_cache[0], blocks, (num_kv_heads, b, length), head_dim, query.dtype)  # (KV, B, L, D)
+        v = _gather(kv_cache[1], blocks, (num_kv_heads, b, length), head_dim, query.dtype)
         q = query.reshape(b, num_kv_heads, heads // num_kv_heads, head_dim).transpose(0, 1).to(k.dtype)  # (KV, B, G, D)
         scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)  # (KV, B, G, L)
         if logit_softcap is not None:

@@ -12,7 +12,9 @@ Checks (each names the component it exercises):
     several block sizes, and with a sliding window and capped scores where the backend supports
     them, and MLA's latent attention (`forward_mla`) where it implements it; the metadata's
     declared fields (what graph runners read) match the step;
-    a scratch block, if the layout has one, is no sequence's block;
+    a scratch block, if the layout has one, is no sequence's block; where the backend
+    `supports_kv_cache_dtype("int8")`, the same steps on a quantized cache whose every byte starts
+    as 0xFF (NaN scales), within the quantization's tolerance;
   - dtypes: every dtype the platform says it supports (`supports_dtype`) runs that attention
     within the dtype's tolerance, and `--dtype auto` never picks one it does not support;
   - sampler: temperature / top-k / top-p / min-p / penalties / seeded draws on logits of the
@@ -133,6 +135,16 @@ def test_paged_attention_matches_dense_reference(target, block_size):
                           block_size)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_int8_kv_cache_matches_dense_reference(target, dtype):
+    _, selection = target
+    backend = selection.component("attention")
+    if not backend.supports_kv_cache_dtype("int8"):
+        pytest.skip(f"{backend.__name__} does not store an int8 KV cache (a launch refuses --kv_cache_dtype=int8)")
+    check_paged_attention(backend(), torch.device(selection.platform.device_type), 4, dtype=dtype,
+                          kv_cache_dtype="int8")
+
+
 @pytest.mark.parametrize("window", [1, 6])
 def test_paged_attention_sliding_window_matches_dense_reference(target, window):
     _, selection = target
@@ -153,6 +165,8 @@ def test_paged_attention_logit_softcap_matches_dense_reference(target, window):
 
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+QUANTIZED_TOLERANCE = {"int8": 5e-2}
+"""--kv_cache_dtype: per-token, per-head int8 K/V err by up to max|x| / 254 per value."""
 
 
 def check_metadata(meta, inputs) -> None:
@@ -211,14 +225,22 @@ def _mixed_steps(backend, device: torch.device, block_size: int, steps: int):
 
 def check_paged_attention(backend, device: torch.device, block_size: int, steps: int = 10,
                           dtype: torch.dtype = torch.float32, sliding_window: int | None = None,
-                          logit_softcap: float | None = None, head_dim: int = D) -> None:
+                          logit_softcap: float | None = None, head_dim: int = D,
+                          kv_cache_dtype: str = "auto") -> None:
     """Mixed steps (prefill, chunked prefill over cached context, decode; decode-only steps too) on
     shuffled block tables of a NaN-filled cache of `dtype`, each output against the dense reference.
     `head_dim`: the kit's small default keeps it fast; a backend whose kernels take only model-sized
-    heads (64, 128) runs it at those too."""
+    heads (64, 128) runs it at those too. `kv_cache_dtype` other than "auto": the backend's quantized
+    cache instead, every byte 0xFF (a float scale of those bytes is NaN), at QUANTIZED_TOLERANCE."""
     gen = torch.Generator().manual_seed(block_size)
-    cache = torch.full(backend.kv_cache_shape(160, block_size, KV, head_dim), float("nan"), device=device,
-                       dtype=dtype)
+    if kv_cache_dtype == "auto":
+        cache = torch.full(backend.kv_cache_shape(160, block_size, KV, head_dim), float("nan"), device=device,
+                           dtype=dtype)
+        tol = TOLERANCE[dtype]
+    else:
+        cache = torch.full(backend.quantized_kv_cache_shape(160, block_size, KV, head_dim, kv_cache_dtype), -1,
+                           device=device, dtype=getattr(torch, kv_cache_dtype))
+        tol = max(TOLERANCE[dtype], QUANTIZED_TOLERANCE[kv_cache_dtype])
     ks, vs = [torch.zeros(0, KV, head_dim)] * 5, [torch.zeros(0, KV, head_dim)] * 5
     scale = head_dim ** -0.5
     for q_lens, ctx_lens, meta in _mixed_steps(backend, device, block_size, steps):
@@ -233,7 +255,6 @@ def check_paged_attention(backend, device: torch.device, block_size: int, steps:
             ks[i], vs[i] = torch.cat([ks[i], k[start:start + n]]), torch.cat([vs[i], v[start:start + n]])
             want = dense_reference(q[start:start + n], ks[i], vs[i], ctx, scale, sliding_window,
                                    logit_softcap).float()
-            tol = TOLERANCE[dtype]
             torch.testing.assert_close(out[start:start + n].float(), want, atol=tol, rtol=tol)
             start += n
 
