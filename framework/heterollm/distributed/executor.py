@@ -116,8 +116,8 @@ class MultiprocExecutor(Executor):
         """Every rank's profile (rank 0 gathers them), in rank order."""
         return self._call("memory_profile")
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self._call("initialize_cache", num_blocks)
+    def initialize_cache(self, num_blocks: int, host_blocks: int = 0) -> None:
+        self._call("initialize_cache", num_blocks, host_blocks)
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         return self._call("execute", scheduler_output)

@@ -26,6 +26,7 @@ from heterollm.engine.step_profiler import StepProfiler
 from heterollm.interfaces import RunnerOutput, SchedulerOutput
 from heterollm.kv_cache import DataParallelKVCacheManager, KVCacheManager
 from heterollm.kv_cache.events import make_kv_event_publisher
+from heterollm.kv_cache.host_tier import host_slots_for
 from heterollm.model_executor.loader import ModelSource, resolve_model
 from heterollm.model_executor.registry import check_model_support
 from heterollm.model_executor.runner import LaunchContext, model_max_len, resolve_dtype
@@ -159,7 +160,14 @@ class LLMEngine:
             logger.warning("the KV cache holds %d tokens, fewer than max_model_len %d; capping max_model_len",
                            capacity, max_len)
             max_len = capacity
-        self.executor.initialize_cache(num_blocks)
+        self.host_blocks = host_slots_for(config, num_blocks, self.kv_plan.bytes_per_block)
+        """Slots of the host KV tier (--host_blocks_factor / --swap_space); 0 without one."""
+        if self.host_blocks:
+            self.executor.initialize_cache(num_blocks, self.host_blocks)
+            logger.info("host KV tier: %d blocks (%.0f MiB over all ranks) behind the %d-block pool",
+                        self.host_blocks, self.host_blocks * self.kv_plan.bytes_per_block / 2**20, num_blocks)
+        else:
+            self.executor.initialize_cache(num_blocks)
         self.num_blocks = num_blocks
         self.max_model_len = max_len
         self.tokenizer = load_tokenizer(self.source.folder, self.source.gguf_file, config.fastdeploy.tokenizer,
@@ -187,7 +195,7 @@ class LLMEngine:
         kv_args = dict(enable_prefix_cache=kvc.enable_prefix_cache, hash_seed=kvc.xxh3_128bits_seed,
                        record_events=self.kv_events is not None, idle_limit=idle_limit)
         self.kv = (DataParallelKVCacheManager(dp, num_blocks, block_size, **kv_args) if dp > 1
-                   else KVCacheManager(num_blocks, block_size, **kv_args))
+                   else KVCacheManager(num_blocks, block_size, host_slots=self.host_blocks, **kv_args))
         latency = latency_targets(config)
         self.spec = resolve_spec(config)
         """Speculative decoding (spec_decode/), None when it is off."""
@@ -466,10 +474,17 @@ class LLMEngine:
                 "kv_usage": kv.usage, "kv_free_blocks": kv.num_free_blocks, "kv_total_blocks": kv.pool.num_blocks,
                 "kv_reserved_bytes": self.kv_plan.kv_bytes, "kv_committed_bytes": self.kv_committed_bytes(),
                 "prefix_queries": kv.queries, "prefix_hits": kv.hits, "prefix_cached_blocks": kv.pool.num_cached,
+                **self._host_tier_stats(),
                 "spec_acceptance_rate": spec.acceptance_rate or 0.0,
                 "spec_mean_accepted_length": spec.mean_accepted_length or 0.0, "spec_num_drafts": spec.num_drafts,
                 "spec_num_draft_tokens": spec.num_draft_tokens, "spec_num_accepted_tokens": spec.num_accepted_tokens,
                 "spec_accepted_per_position": list(spec.accepted_per_position), "moe": self.expert_load}
+
+    def _host_tier_stats(self) -> dict[str, int]:
+        host = getattr(self.kv, "host", None)
+        return {"prefix_host_hits": self.kv.host_hits, "host_tier_blocks": host.num_slots if host else 0,
+                "host_tier_cached_blocks": host.num_used if host else 0, "host_tier_saved": host.saved if host else 0,
+                "host_tier_loaded": host.loaded if host else 0}
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None

@@ -87,6 +87,14 @@ def print_backends() -> int:
         shown = "; ".join(f"{e.family} ({e.origin}{', ' + _runs_on(e, usable) if e.family != 'core' else ''})"
                           for e in impls)
         print(f"  {arch}: {shown}")
+    connectors = registry.names("kv_connectors")
+    if connectors:
+        print("kv connectors (name: family (origin) ...; chosen as models are):")
+        for name in connectors:
+            impls = [e for e in registry.all("kv_connectors") if e.name == name]
+            shown = "; ".join(f"{e.family} ({e.origin}{', ' + _runs_on(e, usable) if e.family != 'core' else ''})"
+                              for e in impls)
+            print(f"  {name}: {shown}")
     plugins = list(registry.all("plugins"))
     if plugins:
         print("plugins:")

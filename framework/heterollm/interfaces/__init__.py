@@ -11,6 +11,7 @@ from heterollm.interfaces.communicator import Communicator
 from heterollm.interfaces.component import Component
 from heterollm.interfaces.executor import Executor, ExecutorDead
 from heterollm.interfaces.graph_runner import GraphRunner
+from heterollm.interfaces.kv_connector import KVConnector, KVTransfers
 from heterollm.interfaces.platform import Platform, TraceProfiler
 from heterollm.interfaces.step import DecodeInputs, ForwardContext, StepForward, StepInputs
 
@@ -19,5 +20,5 @@ API_VERSION = "2.0"
 
 __all__ = ["API_VERSION", "AttentionBackend", "Backend", "AttentionInputs", "AttentionMetadata", "RunnerOutput",
            "ScheduledRequest", "SchedulerOutput", "TokenLogprobs", "Communicator", "Component", "Executor",
-           "ExecutorDead",
+           "ExecutorDead", "KVConnector", "KVTransfers",
            "GraphRunner", "Platform", "TraceProfiler", "SamplingInfo", "DecodeInputs", "ForwardContext", "StepForward", "StepInputs"]

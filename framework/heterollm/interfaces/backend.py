@@ -55,6 +55,10 @@ class Backend:
     """Group (one of COMPONENT_GROUPS) -> class, all under the family `name`."""
     models: Mapping[str, Target] = field(default_factory=dict)
     """Architecture (a config.json `architectures` name) -> model class, under the family `name`."""
+    kv_connectors: Mapping[str, Target] = field(default_factory=dict)
+    """Connector name ("host": the host KV tier's block copies) -> KVConnector class, under the family
+    `name`; a launch takes the first of the --extension_impl family, the platform's default family and
+    the core's that registers the name for its platform."""
     flags: Mapping[str, Union[type[FlagGroup], str]] = field(default_factory=dict)
     """Its own launch-flag groups: config attribute -> FlagGroup class (`config.<attribute>.<flag>`).
     They join the core's groups in every config, dump and `docs/flags.md`; when this backend is not

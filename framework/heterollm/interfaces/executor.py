@@ -65,8 +65,10 @@ class Executor(Component):
         """One RankMemory per rank this executor runs (every rank on this node, rank order)."""
 
     @abstractmethod
-    def initialize_cache(self, num_blocks: int) -> None:
-        """Allocate `num_blocks` KV cache blocks on every worker."""
+    def initialize_cache(self, num_blocks: int, host_blocks: int = 0) -> None:
+        """Allocate `num_blocks` KV cache blocks on every worker, and, when `host_blocks` > 0, the
+        host tier's "host" KV connector (`LaunchContext.selection.component("kv_connectors.host")`)
+        with that many slots over them; steps then carry `SchedulerOutput.kv_transfers`."""
 
     @abstractmethod
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:

@@ -91,9 +91,17 @@ class DataParallelKVCacheManager(PoolGauges):
     def hits(self) -> int:
         return sum(kv.hits for kv in self.ranks)
 
+    @property
+    def host_hits(self) -> int:
+        return 0
+
     def reset_counters(self) -> None:
         for kv in self.ranks:
             kv.reset_counters()
+
+    def take_transfers(self) -> None:
+        """No host tier under attention DP (refused at launch)."""
+        return None
 
 
     # -- which rank ------------------------------------------------------------------------

@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import xxhash
+
+from heterollm.interfaces.kv_connector import KVTransfers
+from heterollm.kv_cache.host_tier import HostTier
 
 
 def hash_block(parent: int | None, token_ids: Sequence[int], seed: int, extra: bytes = b"") -> int:
@@ -56,6 +59,8 @@ class BlockPool:
         self._fresh: list[int] = list(range(num_blocks - 1, -1, -1))  # block 0 on top
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
         self.events: list[tuple] | None = None
+        self.on_evict: Callable[[int, int], None] | None = None
+        """Called with (block, hash) as the pool evicts a cached block for reuse (the host tier)."""
 
     @property
     def num_free(self) -> int:
@@ -68,6 +73,8 @@ class BlockPool:
             return self._fresh.pop()
         if self._evictable:
             block, _ = self._evictable.popitem(last=False)
+            if self.on_evict is not None:
+                self.on_evict(block, self.block_hash[block])
             self.uncache(block)
             return block
         return self._fresh.pop()
@@ -153,9 +160,22 @@ class PoolGauges:
 
 class KVCacheManager(PoolGauges):
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = False,
-                 hash_seed: int = 1024, record_events: bool = False, idle_limit: int | None = None) -> None:
+                 hash_seed: int = 1024, record_events: bool = False, idle_limit: int | None = None,
+                 host_slots: int = 0) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, idle_limit)
+        self.host: HostTier | None = None
+        """The host tier (kv_cache/host_tier.py): evicted cached blocks spill there; None without one."""
+        if host_slots:
+            if not enable_prefix_cache:
+                raise ValueError("the host tier keeps prefix-cache blocks: it needs the prefix cache")
+            self.host = HostTier(host_slots)
+            self.pool.on_evict = self.host.spill
+        self._host_hits: dict[str, tuple[int, list[int], Sequence[int]]] = {}
+        """Per request: (first block index, hashes found in the host tier after its device hits, its
+        tokens), loaded into fresh blocks at its next allocate."""
+        self.host_hits = 0
+        """Of the prefix-cache hits, tokens found in the host tier (loaded back)."""
         self.tables: dict[str, list[int]] = {}
         self.enable_prefix_cache = enable_prefix_cache
         self.hash_seed = hash_seed
@@ -165,8 +185,9 @@ class KVCacheManager(PoolGauges):
         """Per request: how many leading blocks of its table are known to be in the cache (or were offered to it)."""
         self._hits: dict[str, list[int]] = {}
         """Per request: blocks found by match_prefix, shared at its next allocate."""
-        self._lookups: dict[str, tuple[int, int]] = {}
-        """Per request: (tokens looked up, tokens found) by its last match_prefix, counted once it is admitted."""
+        self._lookups: dict[str, tuple[int, int, int]] = {}
+        """Per request: (tokens looked up, tokens found, of those in the host tier) by its last
+        match_prefix, counted once it is admitted."""
         self.queries = 0
         """Prompt tokens looked up in the prefix cache (a Prometheus counter)."""
         self.hits = 0
@@ -176,7 +197,7 @@ class KVCacheManager(PoolGauges):
 
     def reset_counters(self) -> None:
         """Forget the lookups so far (the engine's start-up profile is not traffic)."""
-        self.queries = self.hits = 0
+        self.queries = self.hits = self.host_hits = 0
 
 
     def same_pool(self, a: str, b: str) -> bool:
@@ -207,13 +228,25 @@ class KVCacheManager(PoolGauges):
             if block is None:
                 break
             hits.append(block)
+        found = []  # the chain goes on in the host tier
+        if self.host is not None:
+            first = start_block + len(hits)
+            for h in hashes[first:limit]:
+                if self.host.lookup(h) is None:
+                    break
+                found.append(h)
+        if found:
+            self._host_hits[request_id] = (start_block + len(hits), found, tokens)
+        else:
+            self._host_hits.pop(request_id, None)
+        total = (len(hits) + len(found)) * self.block_size
         if start_block == 0:
-            self._lookups[request_id] = (len(tokens), len(hits) * self.block_size)
+            self._lookups[request_id] = (len(tokens), total, len(found) * self.block_size)
         if hits:
             self._hits[request_id] = hits
         else:  # a match from an earlier, unadmitted attempt may point at blocks evicted since
             self._hits.pop(request_id, None)
-        return len(hits) * self.block_size
+        return total
 
     def commit_due(self, request_id: str, num_computed: int) -> bool:
         """Whether `commit` would register anything (cheap: lets callers skip building the token list)."""
@@ -261,6 +294,9 @@ class KVCacheManager(PoolGauges):
         self._hits.clear()
         for request_id in self._committed:
             self._committed[request_id] = len(self.tables.get(request_id, ()))
+        self._host_hits.clear()
+        if self.host is not None:
+            self.host.clear()
 
     # -- allocation ------------------------------------------------------------------------
     def can_allocate(self, request_id: str, num_tokens: int) -> bool:
@@ -277,6 +313,7 @@ class KVCacheManager(PoolGauges):
         `match_prefix` found; None (nothing changed, matched blocks dropped) if short."""
         if self._shortfall(request_id, num_tokens) > 0:
             self._hits.pop(request_id, None)
+            self._host_hits.pop(request_id, None)
             self._lookups.pop(request_id, None)
             if not self.tables.get(request_id):
                 self.tables.pop(request_id, None)
@@ -286,6 +323,7 @@ class KVCacheManager(PoolGauges):
         if lookup:
             self.queries += lookup[0]
             self.hits += lookup[1]
+            self.host_hits += lookup[2]
         hits = self._hits.pop(request_id, None)
         if hits:
             if len(table) != self._committed.get(request_id, 0):
@@ -293,10 +331,32 @@ class KVCacheManager(PoolGauges):
             self.pool.touch(hits)
             table.extend(hits)
             self._committed[request_id] = len(table)
+        host_hits = self._host_hits.pop(request_id, None)
+        if host_hits:
+            self._load_from_host(request_id, table, *host_hits)
         need = self.blocks_for(num_tokens) - len(table)
         if need > 0:
             table.extend(self.pool.take(need))
         return table
+
+    def _load_from_host(self, request_id: str, table: list[int], first: int, found: list[int],
+                        tokens: Sequence[int]) -> None:
+        """Give the request fresh blocks for the prefix blocks its match found in the host tier, have
+        the next step copy them in, and cache them on the device again."""
+        if len(table) != first or self._committed.get(request_id, 0) != first:
+            raise RuntimeError(f"{request_id}: host-tier blocks must continue a fully committed table")
+        self.host.pin(found)  # taking blocks may spill others to the host: not into these slots
+        blocks = self.pool.take(len(found))  # a spilled block's save runs before these loads
+        for h, block in zip(found, blocks):
+            self.host.load(h, block)
+            self.pool.cache(block, h)  # False when another block holds it already: this one is a copy
+        table.extend(blocks)
+        self._committed[request_id] = len(table)
+        self._stored(self._hashes[request_id], tokens, list(range(first, len(table))))
+
+    def take_transfers(self) -> KVTransfers | None:
+        """The host tier's block moves the next step must make before its forward (None: none)."""
+        return self.host.take_transfers() if self.host is not None else None
 
     def trim(self, request_id: str, num_tokens: int) -> None:
         table = self.tables.get(request_id)
@@ -329,4 +389,5 @@ class KVCacheManager(PoolGauges):
         self._hashes.pop(request_id, None)
         self._committed.pop(request_id, None)
         self._hits.pop(request_id, None)
+        self._host_hits.pop(request_id, None)
         self._lookups.pop(request_id, None)

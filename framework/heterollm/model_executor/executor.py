@@ -39,8 +39,8 @@ class InProcessExecutor(Executor):
     def memory_profile(self) -> list[RankMemory]:
         return [self.runner.memory_profile()]
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.runner.initialize_cache(num_blocks)
+    def initialize_cache(self, num_blocks: int, host_blocks: int = 0) -> None:
+        self.runner.initialize_cache(num_blocks, host_blocks)
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute(scheduler_output)

@@ -16,6 +16,7 @@ from heterollm.config.checks import attention_dp_size, expert_parallel_size
 from heterollm.interfaces import (AttentionInputs, Communicator, ForwardContext, RunnerOutput, ScheduledRequest,
                                   SchedulerOutput, StepInputs, TokenLogprobs)
 from heterollm.interfaces.executor import RankMemory
+from heterollm.interfaces.kv_connector import KVConnector
 from heterollm.model_executor import ops
 from heterollm.model_executor.linear_method import (model_bytes, prepare_linears, repack_after_reload,
                                                      select_linear_method, unpack_for_reload)
@@ -200,6 +201,8 @@ class ModelRunner:
         self.block_size = self.config.kv_cache.block_size
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
+        self.host_tier: KVConnector | None = None
+        """The host KV tier's connector (--host_blocks_factor / --swap_space); None without one."""
         self.generators: dict[str, torch.Generator] = {}
         self.pooler = Pooler(lambda hidden: self.model.compute_logits(hidden))
         """Embedding and scoring requests: pooled from the final hidden states instead of sampled."""
@@ -341,7 +344,14 @@ class ModelRunner:
                           activation_peak=self.activation_peak_bytes(self.config.scheduler.max_tokens_per_batch),
                           kv_bytes_per_block=per_block)
 
-    def initialize_cache(self, num_blocks: int) -> None:
+    def initialize_host_tier(self, num_slots: int) -> None:
+        """Build the "host" KV connector over this rank's caches with `num_slots` slots (the engine
+        sized them: kv_cache/host_tier.py)."""
+        connector = self.launch.selection.component("kv_connectors.host")
+        self.host_tier = connector(self.launch, self.kv_caches, self.attn_backend.cache_block_dim, num_slots)
+        logger.info("host KV tier: %d blocks, %.1f MiB on this rank", num_slots, self.host_tier.nbytes / 2**20)
+
+    def initialize_cache(self, num_blocks: int, host_blocks: int = 0) -> None:
         """Allocate the caches, then capture the decode graphs (`--enable_graph`), all of them now,
         before any request. A failed capture turns graphs off with a warning: the engine serves
         eagerly. Under attention DP `num_blocks` is the engine's pool: this rank holds its 1 / dp share
@@ -362,6 +372,8 @@ class ModelRunner:
             want = num_blocks * self.kv_bytes_per_block()
             raise ConfigError(f"allocating the KV cache ({num_blocks} blocks, {want / 2**20:.1f} MiB on this rank) "
                               f"failed: {exc}; {self._sizing_flags()}") from None
+        if host_blocks:
+            self.initialize_host_tier(host_blocks)
         self._capture_graphs(graph_batch_sizes(self.config))
 
     def _sizing_flags(self) -> str:
@@ -429,6 +441,8 @@ class ModelRunner:
         self.pooler.forget(so.finished_request_ids)
         if self.mm is not None:
             self.mm.forget(so.finished_request_ids)
+        if so.kv_transfers is not None:
+            self.host_tier.apply(so.kv_transfers)
         reqs = so.requests
         if not reqs:
             return RunnerOutput([], [], [], [])
@@ -656,6 +670,9 @@ class ModelRunner:
         return self.profiler.stop()
 
     def shutdown(self) -> None:
+        if self.host_tier is not None:
+            self.host_tier.close()
+            self.host_tier = None
         self.kv_caches = []
         self.drafter = None
         self.model = None

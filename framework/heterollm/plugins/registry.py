@@ -23,7 +23,7 @@ from stevedore import ExtensionManager
 from stevedore.extension import Extension
 
 from heterollm.interfaces import (API_VERSION, AttentionBackend, Backend, Communicator, Executor, GraphRunner,
-                                  Platform)
+                                  KVConnector, Platform)
 from heterollm.interfaces.backend import platform_class_check
 
 logger = logging.getLogger("heterollm.plugins")
@@ -39,9 +39,12 @@ GROUP_CONTRACTS: dict[str, type | None] = {
     "platforms": Platform,
     **COMPONENT_GROUPS,
     "models": None,  # a model class (nn.Module subclass) or a factory
+    "kv_connectors": KVConnector,  # by connector name and family, as models are
     "plugins": None,  # a pluggy plugin: any object with hookimpls
 }
 GROUPS = tuple(GROUP_CONTRACTS)
+FAMILY_KEYED = ("models", "kv_connectors")
+"""Groups whose entries are keyed by (name, family): several families implement the same name."""
 DEFAULT_MODEL_FAMILY = "core"
 """The family the core's own model implementations are registered under."""
 
@@ -192,6 +195,8 @@ def _expand(info: BackendEntry) -> list[Entry]:
         wanted.append((group, backend.name, backend.name, target))
     for arch, target in backend.models.items():
         wanted.append(("models", arch, backend.name, target))
+    for name, target in backend.kv_connectors.items():
+        wanted.append(("kv_connectors", name, backend.name, target))
     out = []
     for group, name, family, target in wanted:
         entry = Entry(group, name, _target_name(target), info.dist, info.version, family=family,
@@ -283,7 +288,7 @@ class Registry:
         return registry
 
     def add(self, entry: Entry) -> None:
-        key = entry.name if entry.group != "models" else f"{entry.name}@{entry.family}"
+        key = entry.name if entry.group not in FAMILY_KEYED else f"{entry.name}@{entry.family}"
         self.entries.setdefault(entry.group, {}).setdefault(key, []).append(entry)
         if entry.error:
             logger.warning("skipping %s entry %r from %s: %s", entry.group, entry.name, entry.origin, entry.error)
@@ -296,13 +301,13 @@ class Registry:
         return sorted({e.name for e in self.all(group)})
 
     def candidates(self, group: str, name: str, family: str | None = None) -> list[Entry]:
-        key = name if group != "models" else f"{name}@{family}"
+        key = name if group not in FAMILY_KEYED else f"{name}@{family}"
         return self.entries.get(group, {}).get(key, [])
 
     def families(self) -> list[str]:
-        """Names registered in any component group or as a model family."""
+        """Names registered in any component group, or as the family of a model or a KV connector."""
         names = {e.name for group in COMPONENT_GROUPS for e in self.all(group)}
-        return sorted(names | {e.family for e in self.all("models")})
+        return sorted(names | {e.family for g in FAMILY_KEYED for e in self.all(g)})
 
     def backend(self, name: str) -> BackendEntry | None:
         """The healthy descriptor named `name` (the first, when duplicated: duplicates are refused
@@ -315,7 +320,7 @@ class Registry:
             for candidates in by_name.values():
                 if len(candidates) > 1:
                     origins = " and ".join(f"{c.target} from {c.origin}" for c in candidates)
-                    what = (f"{candidates[0].name!r} of family {candidates[0].family!r}" if group == "models"
+                    what = (f"{candidates[0].name!r} of family {candidates[0].family!r}" if group in FAMILY_KEYED
                             else repr(candidates[0].name))
                     out.append(f"duplicate {group} entry {what}: registered by {origins}")
         return out
@@ -331,7 +336,7 @@ class Registry:
         candidates = self.candidates(group, name, family)
         if not candidates:
             return None
-        what = f"{group} entry {name!r}" + (f" of family {family!r}" if group == "models" else "")
+        what = f"{group} entry {name!r}" + (f" of family {family!r}" if group in FAMILY_KEYED else "")
         if len(candidates) > 1:
             origins = " and ".join(c.origin for c in candidates)
             raise LookupError(f"{what} is registered by both {origins}; uninstall one")

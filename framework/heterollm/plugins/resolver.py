@@ -151,6 +151,26 @@ def resolve_model(registry: Registry, architectures: Sequence[str], families: Se
     return None
 
 
+KV_CONNECTOR_FLAGS = {"host": "--host_blocks_factor / --swap_space"}
+"""Connector name -> the flags that ask for it."""
+
+
+def kv_connectors_needed(config: HeterollmConfig) -> list[str]:
+    """The KV connectors a launch uses: "host" for the host tier."""
+    return ["host"] if config.kv_cache_store.host_blocks_factor > 0 or config.fastdeploy.swap_space else []
+
+
+def resolve_kv_connector(registry: Registry, name: str, families: Sequence[str], platform: str) -> Entry | None:
+    """The KV connector registered as `name` by the first of `families` (the --extension_impl family,
+    the platform's default family) for `platform`, else the core's; None when none registers it.
+    Raises LookupError when the chosen one is registered twice or broken."""
+    for family in (*families, DEFAULT_MODEL_FAMILY):
+        entry = registry.get("kv_connectors", name, family)
+        if entry is not None and (family == DEFAULT_MODEL_FAMILY or platform in entry.runs_on):
+            return entry
+    return None
+
+
 def _owned_flag_problems(config: HeterollmConfig, backends: Sequence[str], platform: str) -> list[str]:
     """Flags of installed backends the selection does not use, set to a non-default value."""
     values = config.flat()
@@ -195,7 +215,19 @@ def resolve(config: HeterollmConfig, registry: Registry | None = None,
                                   platform.name)
         except LookupError as exc:
             reasons.append(f"--model: {exc}")
-    used_requested = bool(requested) and (any(e.name == requested for e in components.values())
+    for name in kv_connectors_needed(config):
+        try:
+            entry = resolve_kv_connector(registry, name, [f for f in (requested, platform.default_impl) if f],
+                                         platform.name)
+        except LookupError as exc:
+            reasons.append(f"KV connector {name!r}: {exc}")
+            continue
+        if entry is None:
+            reasons.append(f"no family registers the KV connector {name!r} for platform {platform.name} "
+                           f"({KV_CONNECTOR_FLAGS[name]} needs it)")
+        else:
+            components[f"kv_connectors.{name}"] = entry
+    used_requested = bool(requested) and (any(e.family == requested for e in components.values())
                                           or (model is not None and model.family == requested))
     if requested and not used_requested and not reasons:
         offers = sorted({f"{e.group} for {', '.join(e.runs_on)}" for g in (*COMPONENT_GROUPS, "models")

@@ -413,7 +413,9 @@ class Scheduler:
             r.num_computed_tokens = start + num_new
             r.num_pending += sample
         finished, self._finished_since_last = self._finished_since_last, []
-        return SchedulerOutput(items, finished)
+        # the host tier's copies go with a step that runs (an empty one may be skipped): they come
+        # from this step's allocations, and any earlier ones wait for it
+        return SchedulerOutput(items, finished, kv_transfers=self.kv.take_transfers() if items else None)
 
     @staticmethod
     def _have(r: Request) -> int:

@@ -89,6 +89,10 @@ _GAUGES = {  # name: (help, LLMEngine.stats key or a function of the stats)
                                         else 0.0),
     "heterollm_prefix_cache_blocks": ("KV cache blocks holding a cached prefix (in use or evictable).",
                                       "prefix_cached_blocks"),
+    "heterollm_host_tier_blocks": ("Host KV tier slots (--host_blocks_factor / --swap_space; 0 without one).",
+                                   "host_tier_blocks"),
+    "heterollm_host_tier_cached_blocks": ("Host KV tier slots holding a cached prefix block.",
+                                          "host_tier_cached_blocks"),
     "heterollm_spec_decode_acceptance_rate": ("Speculative decoding: accepted drafts / verified drafts since start "
                                               "(0 when off or before the first draft).", "spec_acceptance_rate"),
     "heterollm_spec_decode_mean_accepted_length": ("Speculative decoding: tokens a verification emits on average "
@@ -98,6 +102,10 @@ _GAUGES = {  # name: (help, LLMEngine.stats key or a function of the stats)
 _COUNTERS = {
     "heterollm_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", "prefix_queries"),
     "heterollm_prefix_cache_hits": ("Prompt tokens found in the prefix cache.", "prefix_hits"),
+    "heterollm_prefix_cache_host_hits": ("Of the prefix cache hits, tokens found in the host KV tier (copied back).",
+                                         "prefix_host_hits"),
+    "heterollm_host_tier_saved_blocks": ("Blocks the device pool evicted into the host KV tier.", "host_tier_saved"),
+    "heterollm_host_tier_loaded_blocks": ("Blocks copied back from the host KV tier.", "host_tier_loaded"),
     "heterollm_spec_decode_num_drafts": ("Speculative decoding: verifications (a sequence's step with drafts).",
                                          "spec_num_drafts"),
     "heterollm_spec_decode_num_draft_tokens": ("Speculative decoding: draft tokens verified.",

@@ -1,0 +1,75 @@
+"""KVConnector: moves KV cache blocks between a rank's cache and another place: host memory (the
+host tier), another instance (prefill/decode disaggregation) or a KV store.
+
+A connector is registered by name in a backend descriptor's `kv_connectors` mapping ("host": the
+host tier's block copies), like a model architecture: the launch takes the first of the
+`--extension_impl` family, the platform's default family and the core's that registers that name
+for the platform. A vendor ships its own (pinned host memory and copy streams, an HCCS or RDMA
+transport) in its wheel.
+
+The engine side decides what moves: the KV cache manager names blocks by prefix hash and keeps the
+bookkeeping of what the other place holds; each step's `SchedulerOutput.kv_transfers` lists the
+moves, which every rank runs on its own shard of the cache before the step's forward.
+"""
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from heterollm.interfaces.component import Component
+
+if TYPE_CHECKING:
+    import torch
+
+    from heterollm.model_executor.runner import LaunchContext
+
+
+@dataclass
+class KVTransfers:
+    """One step's block moves for one connector. Every rank runs them before the step's forward, all
+    of `save` before any of `load` (a block saved this step may be reused as a load's destination)."""
+
+    save: list[tuple[int, int]] = field(default_factory=list)
+    """(cache block, slot): copy the block's K/V out to the connector's slot."""
+    load: list[tuple[int, int]] = field(default_factory=list)
+    """(slot, cache block): copy a slot back into a cache block the step is about to read."""
+
+    def __bool__(self) -> bool:
+        return bool(self.save or self.load)
+
+
+class KVConnector(Component):
+    """The worker half of a connector: one per rank, built after the rank's KV cache is allocated.
+
+    `caches` is the rank's per-layer cache tensors (their layout is the attention backend's:
+    `block_dim` is the dimension that indexes blocks, `AttentionBackend.cache_block_dim`), and
+    `num_slots` the number of block-sized slots the engine sized for it (the host tier's
+    `--host_blocks_factor` / `--swap_space`)."""
+
+    @abstractmethod
+    def __init__(self, launch: LaunchContext, caches: list[torch.Tensor], block_dim: int, num_slots: int) -> None:
+        """Allocate the connector's own storage for `num_slots` blocks of every layer."""
+
+    @abstractmethod
+    def save(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy each (cache block, slot) out; done (or ordered before any later copy and forward) on return."""
+
+    @abstractmethod
+    def load(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy each (slot, cache block) in; the step's forward, which runs next, must see the data."""
+
+    def apply(self, transfers: KVTransfers) -> None:
+        """Run one step's moves: saves first, then loads."""
+        if transfers.save:
+            self.save(transfers.save)
+        if transfers.load:
+            self.load(transfers.load)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the connector's own storage on this rank (0 when it keeps none)."""
+        return 0
+
+    def close(self) -> None:
+        """Release the connector's storage. Safe to call twice."""
