@@ -144,3 +144,13 @@ def test_policy_picks_the_least_loaded_serving_the_model():
     assert policy.route(pool, "other", set()).target.name == "c:1"
     assert policy.route(pool, "m", {"a:1", "b:1"}) is None  # d:1 is a PREFILL instance
     assert policy.route(pool, None, set()).target.name == "c:1"
+
+
+def test_route_launch_errors_are_one_line(cli):
+    etcd_port = free_port()
+    r = cli("route", "--host=127.0.0.1", f"--port={free_port()}", f"--etcd_addr=127.0.0.1:{etcd_port}", timeout=60)
+    assert r.rc == 2 and "Traceback" not in r.err
+    assert r.err.strip().splitlines()[-1].startswith(
+        f"heterollm: error: --etcd_addr: cannot discover instances: etcd at 127.0.0.1:{etcd_port}")
+    r = cli("route", "--instances=localhost", timeout=60)
+    assert r.rc == 2 and r.err.strip().endswith("--instances: 'localhost' is not http://host:port")
