@@ -27,7 +27,8 @@ import pytest
      "--enable_fused_mc2=1: belongs to heterollm-npu (backend 'npu'), which this launch does not use (platform: cpu)"),
     (["config", "--model", "m", "--enable_fused_mc2=1"], "--enable_fused_mc2=1: belongs to heterollm-npu"),
     (["config", "--model", "m", "--template_fast_path"], "--template_fast_path=true: belongs to heterollm-backend-template"),
-    (["serve", "--model", "m", "--kv_cache_dtype=int8"], "--kv_cache_dtype=int8: an int8 KV cache is not implemented"),
+    (["serve", "--model", "m", "--enable_graph_mode_decode_no_padding"],
+     "--enable_graph_mode_decode_no_padding=true: device graphs only"),
     (["config", "--model", "m", "--device=xpu"], "--device=xpu: no platform 'xpu' is installed"),
     (["serve", "--model", "m", "--dit_cache_policy=x"], "--dit_cache_policy"),
     (["serve", "--model", "m", "--kv_events_config", '{"endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5557"}'],
@@ -48,9 +49,9 @@ def test_cli_error(cli, args, needle):
 
 
 def test_cli_reports_all_launch_reasons_at_once(cli):
-    r = cli("serve", "--model", "m", "--enable_fused_mc2=2", "--kv_cache_dtype=int8")
+    r = cli("serve", "--model", "m", "--enable_fused_mc2=2", "--enable_graph_mode_decode_no_padding")
     assert r.rc == 2
-    assert "--enable_fused_mc2" in r.err and "--kv_cache_dtype" in r.err
+    assert "--enable_fused_mc2" in r.err and "--enable_graph_mode_decode_no_padding" in r.err
 
 
 def test_config_prints_sources(cli, tmp_path):

@@ -7,8 +7,6 @@ from heterollm.interfaces.backend import Backend
 
 __version__ = "0.1.0"
 
-KV_INT8 = "an int8 KV cache is not implemented by this backend (K/V are stored in the model dtype)"
-
 BACKEND = Backend(
     name="cpu",
     api_version=">=2.0,<3",
@@ -22,7 +20,6 @@ BACKEND = Backend(
     unsupported={
         "enable_graph_mode_decode_no_padding": "device graphs only: the CPU graph (torch.compile) has dynamic "
                                                "shapes and never pads a batch",
-        "kv_cache_dtype": KV_INT8,
     },
     register_ops="heterollm_cpu.fused:register_ops",
 )

@@ -94,7 +94,7 @@ class KVCacheConfig(FlagGroup):
     block_size: Int32 = flag(128, "每个 KV Cache block 的 slot 数。", gt=0)
     max_cache_size: Int64 = flag(0, "KV Cache 的容量上限,单位 byte;虚拟内存模式下限制 KV 与权重共享池的容量。0 表示不设显式字节上限,根据可用显存推导容量。", ge=0)
     max_memory_utilization: float = flag(0.8, "模型推理可使用的设备显存比例,包括模型权重和 KV Cache。物理 KV Cache 和固定 VMM 要求取值在 (0, 1] 内。弹性 VMM 在启动容量估算、arena 预留和物理页增长时均忽略该比例,容量由实时可用显存和已观察到的执行余量决定。", gt=0, le=1, aliases=("gpu_memory_utilization",))
-    kv_cache_dtype: choice("auto", "int8") = flag("auto", "KV Cache 量化数据类型;auto 表示与模型 dtype 对齐且不量化,int8 表示启用 INT8 量化,仅 MLU 后端支持。")
+    kv_cache_dtype: choice("auto", "int8") = flag("auto", "KV Cache 量化数据类型;auto 表示与模型 dtype 对齐且不量化,int8 表示启用 INT8 量化:K/V 以 int8 存储,每个 token、每个 KV head 一个 float32 scale(对称 absmax),KV Cache 字节约减半、block 数约翻倍。heterollm 中由 CPU 后端支持(xLLM 中仅 MLU);MLA 模型不支持。")
     indexer_cache_dtype: choice("auto", "int8") = flag("auto", "带 indexer cache 的模型所使用的 indexer cache 数据类型。支持 auto 和 int8;auto 表示与模型 dtype 对齐且不量化,int8 表示启用 INT8 indexer cache 量化。")
     enable_prefix_cache: bool = flag(True, "是否在 block manager 中启用 prefix cache;详见 Prefix Cache。", aliases=("enable_prefix_caching",))
     kv_events_config: str = flag("", "KV 驻留事件发布配置,为 JSON 对象字符串;空字符串禁用上报。JSON 字段和示例见下文。")
