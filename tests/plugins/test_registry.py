@@ -79,12 +79,14 @@ def test_missing_platform_lists_installed():
 
 def test_component_validate_and_backend_reasons_collected():
     with pytest.raises(LaunchError) as info:
-        resolve(cfg("--extension_impl=example", "--block_size=2048", "--enable_fused_mc2=1", "--kv_cache_dtype=int8"),
+        resolve(cfg("--extension_impl=example", "--block_size=2048", "--enable_fused_mc2=1",
+                    "--enable_graph_mode_decode_no_padding"),
                 Registry.discover())
     reasons = info.value.reasons
     assert any(r.startswith("attention example: block_size 2048") for r in reasons)
     assert any(r.startswith("--enable_fused_mc2=1: belongs to heterollm-npu") for r in reasons)
-    assert any(r.startswith("--kv_cache_dtype=int8:") and "heterollm-cpu, selected" in r for r in reasons)
+    assert any(r.startswith("--enable_graph_mode_decode_no_padding=true:") and "heterollm-cpu, selected" in r
+               for r in reasons)
 
 
 def test_backend_flags_live_only_when_its_backend_is_selected():
