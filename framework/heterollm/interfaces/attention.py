@@ -92,8 +92,9 @@ class AttentionBackend(Component):
     scratch block a graph runner pads batches onto."""
 
     cache_block_dim: int = 2
-    """The dimension of a `kv_cache_shape` (and `mla_cache_shape`) tensor that indexes blocks: a KV
-    connector moves block b of a layer as `cache.select(cache_block_dim, b)`. The default is the
+    """The dimension of a `kv_cache_shape` (and `mla_cache_shape`, `quantized_kv_cache_shape`) tensor
+    that indexes blocks: a KV connector moves block b of a layer as `cache.select(cache_block_dim, b)`
+    (scales of a quantized cache with it). The default is the
     core's layouts' (2, kv heads, blocks, block size, head dim); a layout with blocks first sets 0."""
 
     @abstractmethod
