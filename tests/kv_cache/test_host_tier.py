@@ -34,6 +34,13 @@ def run(m: KVCacheManager, rid: str, tokens: list[int]) -> int:
     return cached
 
 
+def moves(m: KVCacheManager) -> KVTransfers | None:
+    """The host connector's moves for the next step."""
+    t = m.take_transfers()
+    assert t is None or set(t) == {"host"}
+    return t["host"] if t else None
+
+
 def prompt(start: int, blocks: int = 2) -> list[int]:
     return list(range(start, start + blocks * BS)) + [9999]  # full blocks and one more token
 
@@ -42,22 +49,22 @@ def test_evicted_blocks_spill_to_the_host_and_come_back_on_a_hit():
     m = kv(num_blocks=3)
     a, b = prompt(100), prompt(200)
     run(m, "a", a)  # a's 2 full blocks + 1 partial: the 3 device blocks
-    assert m.take_transfers() is None
+    assert moves(m) is None
     run(m, "b", b)  # needs 3: evicts a's cached blocks (its partial block went back plain)
-    first = m.take_transfers()
+    first = moves(m)
     assert first is not None and first.load == []
     assert len(first.save) == 2 and m.host.saved == 2 and m.host.num_used == 2
-    assert m.take_transfers() is None, "moves are handed out once"
+    assert moves(m) is None, "moves are handed out once"
 
     assert m.match_prefix("a2", a) == 2 * BS, "a's prefix is found in the host tier"
     table = m.allocate("a2", len(a))
-    t = m.take_transfers()
+    t = moves(m)
     assert [blk for _, blk in t.load] == table[:2], "the slots are copied into the request's first two blocks"
     assert sorted(slot for slot, _ in t.load) == sorted(slot for _, slot in first.save)
     assert m.host.loaded == 2 and m.host_hits == 2 * BS and m.hits == 2 * BS
     # the loaded blocks are cached on the device again: a third request shares them
     m.commit("a2", a, len(a))
-    assert m.match_prefix("a3", a) == 2 * BS and m.take_transfers() is None
+    assert m.match_prefix("a3", a) == 2 * BS and moves(m) is None
 
 
 def test_saves_come_before_loads_and_a_slot_being_loaded_is_not_reused():
@@ -65,21 +72,21 @@ def test_saves_come_before_loads_and_a_slot_being_loaded_is_not_reused():
     a, b = prompt(100, 1), prompt(200, 1)
     run(m, "a", a)  # a: one full block (cached) and a partial one: the whole pool
     run(m, "b", b)  # evicts a's full block into the one slot
-    ta = m.take_transfers()
+    ta = moves(m)
     assert len(ta.save) == 1 and ta.load == []
     # a comes back while the pool must evict b's block to make room: the one slot is what this
     # step reads, so b's block is dropped rather than saved over it
     assert m.match_prefix("a2", a) == BS
     assert m.allocate("a2", len(a)) is not None
-    t = m.take_transfers()
+    t = moves(m)
     assert t.load == [(ta.save[0][1], m.tables["a2"][0])] and t.save == []
     assert m.host.dropped == 1
     # once handed out, the slot is evictable again
     m.free("a2")
     run(m, "c", prompt(300, 1))  # evicts a's block again: the slot still holds it, no copy
-    assert m.take_transfers() is None
+    assert moves(m) is None
     run(m, "d", prompt(400, 1))  # evicts c's block: into the slot, a's copy goes
-    assert len(m.take_transfers().save) == 1 and m.host.saved == 2
+    assert len(moves(m).save) == 1 and m.host.saved == 2
     assert m.match_prefix("a3", a) == 0
 
 
@@ -102,12 +109,12 @@ def test_reset_prefix_cache_forgets_the_host_tier_and_frees_slots_after_pending_
     a, b = prompt(100), prompt(200)
     run(m, "a", a)
     run(m, "b", b)
-    m.take_transfers()
+    moves(m)
     m.match_prefix("a2", a)
     m.allocate("a2", len(a))  # loads pending from both slots
     m.reset_prefix_cache()
     assert m.host.num_used == 0 and m.match_prefix("x", a) == 0
-    t = m.take_transfers()
+    t = moves(m)
     assert len(t.load) == 2, "loads already promised still run"
     assert sorted(m.host._free) == [0, 1], "their slots are free again once handed out"
 
@@ -118,7 +125,7 @@ def test_no_block_leaks_through_spills_and_loads():
     starts = [100 * i for i in range(1, 6)]
     for _ in range(40):
         run(m, f"r{rng.random()}", prompt(rng.choice(starts), rng.randrange(1, 3)))
-        m.take_transfers()
+        moves(m)
     assert m.num_free_blocks == 6 and not m.tables
     assert m.host.num_used <= 5 and m.host.loaded > 0
 

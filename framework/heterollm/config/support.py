@@ -58,9 +58,6 @@ _planned("cp_size kv_split_size "
 _planned("graph_optimization_config "
          "enable_shm use_contiguous_input_buffer input_shm_size output_shm_size",
          "the accelerator backends issue")
-_planned("enable_kvcache_store prefetch_timeout prefetch_batch_size "
-         "store_protocol store_rdma_devices store_master_server_address store_metadata_server store_local_hostname",
-         "the KV cache store; the host tier (--host_blocks_factor, --swap_space) works")
 _planned("layers_wise_copy_batchs enable_control_h2d_block_num", "pacing the host tier's copies back layer by layer "
          "beside the forward; the host tier (--host_blocks_factor, --swap_space) copies every layer before the step")
 _planned("enable_disagg_pd disagg_pd_port kv_cache_transfer_mode transfer_listen_port "

@@ -27,6 +27,7 @@ from heterollm.interfaces import RunnerOutput, SchedulerOutput
 from heterollm.kv_cache import DataParallelKVCacheManager, KVCacheManager
 from heterollm.kv_cache.events import make_kv_event_publisher
 from heterollm.kv_cache.host_tier import host_slots_for
+from heterollm.kv_cache.store_tier import SEGMENT_BYTES as STORE_SEGMENT_BYTES, StoreTier, key_prefix, open_store
 from heterollm.model_executor.loader import ModelSource, resolve_model
 from heterollm.model_executor.registry import check_model_support
 from heterollm.model_executor.runner import LaunchContext, model_max_len, resolve_dtype
@@ -147,6 +148,8 @@ class LLMEngine:
 
     def _start(self, config: HeterollmConfig, max_len: int, dp_rank: int) -> None:
         """Load the weights, size and allocate the KV cache, and build the scheduler around it."""
+        self.kv_store = self._open_kv_store(config)
+        """The KV cache store's engine side (--enable_kvcache_store); None without one."""
         self.executor.load_model()
         block_size = config.kv_cache.block_size
         self.kv_plan = self._plan_kv_cache(config, max_len)
@@ -195,7 +198,8 @@ class LLMEngine:
         kv_args = dict(enable_prefix_cache=kvc.enable_prefix_cache, hash_seed=kvc.xxh3_128bits_seed,
                        record_events=self.kv_events is not None, idle_limit=idle_limit)
         self.kv = (DataParallelKVCacheManager(dp, num_blocks, block_size, **kv_args) if dp > 1
-                   else KVCacheManager(num_blocks, block_size, host_slots=self.host_blocks, **kv_args))
+                   else KVCacheManager(num_blocks, block_size, host_slots=self.host_blocks, store=self.kv_store,
+                                       **kv_args))
         latency = latency_targets(config)
         self.spec = resolve_spec(config)
         """Speculative decoding (spec_decode/), None when it is off."""
@@ -480,11 +484,26 @@ class LLMEngine:
                 "spec_num_draft_tokens": spec.num_draft_tokens, "spec_num_accepted_tokens": spec.num_accepted_tokens,
                 "spec_accepted_per_position": list(spec.accepted_per_position), "moe": self.expert_load}
 
+    def _open_kv_store(self, config: HeterollmConfig) -> StoreTier | None:
+        """Connect to the KV cache store (before the weights load: an unreachable master fails fast)."""
+        st = config.kv_cache_store
+        if not st.enable_kvcache_store:
+            return None
+        client = open_store(config, STORE_SEGMENT_BYTES)
+        logger.info("KV cache store: mooncake_master %s, metadata %s, %s; %d MiB of this host mounted",
+                    st.store_master_server_address, st.store_metadata_server, st.store_protocol,
+                    STORE_SEGMENT_BYTES >> 20)
+        return StoreTier(client, key_prefix(config, self.source.hf_config), config.parallel.tp_size,
+                         st.prefetch_batch_size, st.prefetch_timeout)
+
     def _host_tier_stats(self) -> dict[str, int]:
         host = getattr(self.kv, "host", None)
         return {"prefix_host_hits": self.kv.host_hits, "host_tier_blocks": host.num_slots if host else 0,
                 "host_tier_cached_blocks": host.num_used if host else 0, "host_tier_saved": host.saved if host else 0,
-                "host_tier_loaded": host.loaded if host else 0}
+                "host_tier_loaded": host.loaded if host else 0,
+                "prefix_store_hits": getattr(self.kv, "store_hits", 0),
+                "store_put_blocks": self.kv_store.put if self.kv_store else 0,
+                "store_fetched_blocks": self.kv_store.fetched if self.kv_store else 0}
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None

@@ -69,9 +69,9 @@ class SchedulerOutput:
     grammar_bitmask: torch.Tensor | None = None
     """(rows, ceil(vocab / 32)) int32, packed as xgrammar packs it: the tokens each sampled request
     with a grammar may take this step (see ScheduledRequest.grammar_row); None when none has one."""
-    kv_transfers: KVTransfers | None = None
-    """The host tier's block moves (the "host" KV connector's), run by every rank before this step's
-    forward; None when there are none."""
+    kv_transfers: dict[str, KVTransfers] | None = None
+    """KV connector name ("host", "mooncake_store") -> the block moves every rank runs before this
+    step's forward, in this order; None when there are none."""
 
     @property
     def num_tokens(self) -> int:

@@ -9,7 +9,7 @@ transport) in its wheel.
 
 The engine side decides what moves: the KV cache manager names blocks by prefix hash and keeps the
 bookkeeping of what the other place holds; each step's `SchedulerOutput.kv_transfers` lists the
-moves, which every rank runs on its own shard of the cache before the step's forward.
+moves per connector, which every rank runs on its own shard of the cache before the step's forward.
 """
 from __future__ import annotations
 
@@ -31,9 +31,13 @@ class KVTransfers:
     of `save` before any of `load` (a block saved this step may be reused as a load's destination)."""
 
     save: list[tuple[int, int]] = field(default_factory=list)
-    """(cache block, slot): copy the block's K/V out to the connector's slot."""
+    """(cache block, key): copy the block's K/V out under `key` (the host tier's slot; the KV store's
+    prefix hash)."""
     load: list[tuple[int, int]] = field(default_factory=list)
-    """(slot, cache block): copy a slot back into a cache block the step is about to read."""
+    """(key, cache block): copy `key` back into a cache block the step is about to read."""
+    data: dict[int, list[bytes]] = field(default_factory=dict)
+    """key -> the bytes of each rank's share (rank order), for a connector whose engine side fetched
+    them (the KV store: a fetch that fails is a cache miss there, never a half-loaded block here)."""
 
     def __bool__(self) -> bool:
         return bool(self.save or self.load)

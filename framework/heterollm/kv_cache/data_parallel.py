@@ -91,9 +91,8 @@ class DataParallelKVCacheManager(PoolGauges):
     def hits(self) -> int:
         return sum(kv.hits for kv in self.ranks)
 
-    @property
-    def host_hits(self) -> int:
-        return 0
+    host_hits = 0
+    store_hits = 0
 
     def reset_counters(self) -> None:
         for kv in self.ranks:

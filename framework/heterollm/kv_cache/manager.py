@@ -28,6 +28,7 @@ import xxhash
 
 from heterollm.interfaces.kv_connector import KVTransfers
 from heterollm.kv_cache.host_tier import HostTier
+from heterollm.kv_cache.store_tier import StoreTier
 
 
 def hash_block(parent: int | None, token_ids: Sequence[int], seed: int, extra: bytes = b"") -> int:
@@ -59,6 +60,8 @@ class BlockPool:
         self._fresh: list[int] = list(range(num_blocks - 1, -1, -1))  # block 0 on top
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
         self.events: list[tuple] | None = None
+        self.generation = [0] * num_blocks
+        """Per block: how many times it stopped naming a prefix (a pending KV store put checks it)."""
         self.on_evict: Callable[[int, int], None] | None = None
         """Called with (block, hash) as the pool evicts a cached block for reuse (the host tier)."""
 
@@ -128,6 +131,7 @@ class BlockPool:
         if h is not None:
             del self.cached[h]
             self.block_hash[block] = None
+            self.generation[block] += 1
             if self.events is not None:
                 self.events.append(("removed", [h]))
 
@@ -138,6 +142,7 @@ class BlockPool:
         self._evictable.clear()
         self.cached.clear()
         self.block_hash = [None] * self.num_blocks
+        self.generation = [g + 1 for g in self.generation]
         if self.events is not None:
             self.events.append(("cleared",))
 
@@ -161,7 +166,7 @@ class PoolGauges:
 class KVCacheManager(PoolGauges):
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = False,
                  hash_seed: int = 1024, record_events: bool = False, idle_limit: int | None = None,
-                 host_slots: int = 0) -> None:
+                 host_slots: int = 0, store: StoreTier | None = None) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, idle_limit)
         self.host: HostTier | None = None
@@ -171,6 +176,18 @@ class KVCacheManager(PoolGauges):
                 raise ValueError("the host tier keeps prefix-cache blocks: it needs the prefix cache")
             self.host = HostTier(host_slots)
             self.pool.on_evict = self.host.spill
+        self.store = store
+        """The KV cache store (kv_cache/store_tier.py): committed blocks are put there, and a prefix
+        chain that runs past the device pool and the host tier is looked up there; None without one."""
+        if store is not None and not enable_prefix_cache:
+            raise ValueError("the KV cache store keeps prefix-cache blocks: it needs the prefix cache")
+        self._store_hits: dict[str, tuple[int, list[int], dict[int, list[bytes]], Sequence[int]]] = {}
+        """Per request: (first block index, hashes fetched from the store after its device and host
+        hits, their bytes, its tokens), loaded into fresh blocks at its next allocate."""
+        self._store_loads = KVTransfers()
+        """Store blocks handed to requests, for the next step to copy in."""
+        self.store_hits = 0
+        """Of the prefix-cache hits, tokens fetched from the KV cache store."""
         self._host_hits: dict[str, tuple[int, list[int], Sequence[int]]] = {}
         """Per request: (first block index, hashes found in the host tier after its device hits, its
         tokens), loaded into fresh blocks at its next allocate."""
@@ -185,9 +202,9 @@ class KVCacheManager(PoolGauges):
         """Per request: how many leading blocks of its table are known to be in the cache (or were offered to it)."""
         self._hits: dict[str, list[int]] = {}
         """Per request: blocks found by match_prefix, shared at its next allocate."""
-        self._lookups: dict[str, tuple[int, int, int]] = {}
-        """Per request: (tokens looked up, tokens found, of those in the host tier) by its last
-        match_prefix, counted once it is admitted."""
+        self._lookups: dict[str, tuple[int, int, int, int]] = {}
+        """Per request: (tokens looked up, tokens found, of those in the host tier, of those in the KV
+        store) by its last match_prefix, counted once it is admitted."""
         self.queries = 0
         """Prompt tokens looked up in the prefix cache (a Prometheus counter)."""
         self.hits = 0
@@ -197,7 +214,7 @@ class KVCacheManager(PoolGauges):
 
     def reset_counters(self) -> None:
         """Forget the lookups so far (the engine's start-up profile is not traffic)."""
-        self.queries = self.hits = self.host_hits = 0
+        self.queries = self.hits = self.host_hits = self.store_hits = 0
 
 
     def same_pool(self, a: str, b: str) -> bool:
@@ -239,14 +256,30 @@ class KVCacheManager(PoolGauges):
             self._host_hits[request_id] = (start_block + len(hits), found, tokens)
         else:
             self._host_hits.pop(request_id, None)
-        total = (len(hits) + len(found)) * self.block_size
+        fetched = self._match_store(request_id, hashes, start_block + len(hits) + len(found), limit, tokens)
+        total = (len(hits) + len(found) + fetched) * self.block_size
         if start_block == 0:
-            self._lookups[request_id] = (len(tokens), total, len(found) * self.block_size)
+            self._lookups[request_id] = (len(tokens), total, len(found) * self.block_size, fetched * self.block_size)
         if hits:
             self._hits[request_id] = hits
         else:  # a match from an earlier, unadmitted attempt may point at blocks evicted since
             self._hits.pop(request_id, None)
         return total
+
+    def _match_store(self, request_id: str, hashes: list[int], first: int, limit: int, tokens: Sequence[int]) -> int:
+        """Fetch the blocks the store holds from block `first` on (once per request and position: a
+        request that waits is not fetched for again); returns how many."""
+        if self.store is None or first >= limit:
+            self._store_hits.pop(request_id, None)
+            return 0
+        held = self._store_hits.get(request_id)
+        if held is None or held[0] != first:
+            found, data = self.store.fetch(hashes[first:limit])
+            if not found:
+                self._store_hits.pop(request_id, None)
+                return 0
+            held = self._store_hits[request_id] = (first, found, data, tokens)
+        return len(held[1])
 
     def commit_due(self, request_id: str, num_computed: int) -> bool:
         """Whether `commit` would register anything (cheap: lets callers skip building the token list)."""
@@ -267,6 +300,8 @@ class KVCacheManager(PoolGauges):
         for i in range(done, full):
             if self.pool.cache(table[i], hashes[i]):
                 group.append(i)
+                if self.store is not None:
+                    self.store.committed(table[i], hashes[i], self.pool.generation[table[i]])
             elif group:
                 self._stored(hashes, tokens, group)
                 group = []
@@ -295,6 +330,7 @@ class KVCacheManager(PoolGauges):
         for request_id in self._committed:
             self._committed[request_id] = len(self.tables.get(request_id, ()))
         self._host_hits.clear()
+        self._store_hits.clear()
         if self.host is not None:
             self.host.clear()
 
@@ -314,7 +350,7 @@ class KVCacheManager(PoolGauges):
         if self._shortfall(request_id, num_tokens) > 0:
             self._hits.pop(request_id, None)
             self._host_hits.pop(request_id, None)
-            self._lookups.pop(request_id, None)
+            self._lookups.pop(request_id, None)  # its store fetch stays: the request retries
             if not self.tables.get(request_id):
                 self.tables.pop(request_id, None)
             return None
@@ -324,6 +360,7 @@ class KVCacheManager(PoolGauges):
             self.queries += lookup[0]
             self.hits += lookup[1]
             self.host_hits += lookup[2]
+            self.store_hits += lookup[3]
         hits = self._hits.pop(request_id, None)
         if hits:
             if len(table) != self._committed.get(request_id, 0):
@@ -334,6 +371,9 @@ class KVCacheManager(PoolGauges):
         host_hits = self._host_hits.pop(request_id, None)
         if host_hits:
             self._load_from_host(request_id, table, *host_hits)
+        store_hits = self._store_hits.pop(request_id, None)
+        if store_hits:
+            self._load_from_store(request_id, table, *store_hits)
         need = self.blocks_for(num_tokens) - len(table)
         if need > 0:
             table.extend(self.pool.take(need))
@@ -354,9 +394,35 @@ class KVCacheManager(PoolGauges):
         self._committed[request_id] = len(table)
         self._stored(self._hashes[request_id], tokens, list(range(first, len(table))))
 
-    def take_transfers(self) -> KVTransfers | None:
-        """The host tier's block moves the next step must make before its forward (None: none)."""
-        return self.host.take_transfers() if self.host is not None else None
+    def _load_from_store(self, request_id: str, table: list[int], first: int, found: list[int],
+                         data: dict[int, list[bytes]], tokens: Sequence[int]) -> None:
+        """Give the request fresh blocks for the prefix blocks fetched from the store; the next step
+        copies the bytes in. They are cached on the device from now on."""
+        if len(table) != first or self._committed.get(request_id, 0) != first:
+            raise RuntimeError(f"{request_id}: store blocks must continue a fully committed table")
+        blocks = self.pool.take(len(found))
+        for h, block in zip(found, blocks):
+            self._store_loads.load.append((h, block))
+            self._store_loads.data[h] = data[h]
+            self.pool.cache(block, h)
+        table.extend(blocks)
+        self._committed[request_id] = len(table)
+        self._stored(self._hashes[request_id], tokens, list(range(first, len(table))))
+
+    def _still_named(self, block: int, block_hash: int, generation: int) -> bool:
+        return self.pool.block_hash[block] == block_hash and self.pool.generation[block] == generation
+
+    def take_transfers(self) -> dict[str, KVTransfers] | None:
+        """The block moves the next step must make before its forward, by KV connector (None: none)."""
+        out = {}
+        if self.host is not None and (moves := self.host.take_transfers()) is not None:
+            out["host"] = moves
+        if self.store is not None:
+            moves, self._store_loads = self._store_loads, KVTransfers()
+            moves.save = self.store.take_puts(self._still_named)
+            if moves:
+                out["mooncake_store"] = moves
+        return out or None
 
     def trim(self, request_id: str, num_tokens: int) -> None:
         table = self.tables.get(request_id)
@@ -390,4 +456,5 @@ class KVCacheManager(PoolGauges):
         self._committed.pop(request_id, None)
         self._hits.pop(request_id, None)
         self._host_hits.pop(request_id, None)
+        self._store_hits.pop(request_id, None)
         self._lookups.pop(request_id, None)

@@ -201,8 +201,9 @@ class ModelRunner:
         self.block_size = self.config.kv_cache.block_size
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
-        self.host_tier: KVConnector | None = None
-        """The host KV tier's connector (--host_blocks_factor / --swap_space); None without one."""
+        self.kv_connectors: dict[str, KVConnector] = {}
+        """The KV connectors this launch selected, by name: "host" (--host_blocks_factor / --swap_space),
+        "mooncake_store" (--enable_kvcache_store)."""
         self.generators: dict[str, torch.Generator] = {}
         self.pooler = Pooler(lambda hidden: self.model.compute_logits(hidden))
         """Embedding and scoring requests: pooled from the final hidden states instead of sampled."""
@@ -344,12 +345,18 @@ class ModelRunner:
                           activation_peak=self.activation_peak_bytes(self.config.scheduler.max_tokens_per_batch),
                           kv_bytes_per_block=per_block)
 
-    def initialize_host_tier(self, num_slots: int) -> None:
-        """Build the "host" KV connector over this rank's caches with `num_slots` slots (the engine
-        sized them: kv_cache/host_tier.py)."""
-        connector = self.launch.selection.component("kv_connectors.host")
-        self.host_tier = connector(self.launch, self.kv_caches, self.attn_backend.cache_block_dim, num_slots)
-        logger.info("host KV tier: %d blocks, %.1f MiB on this rank", num_slots, self.host_tier.nbytes / 2**20)
+    def initialize_kv_connectors(self, host_blocks: int) -> None:
+        """Build the selected KV connectors over this rank's caches: the "host" one with `host_blocks`
+        slots (the engine sized them: kv_cache/host_tier.py), the others with none of their own."""
+        for group, entry in self.launch.selection.components.items():
+            if not group.startswith("kv_connectors."):
+                continue
+            name = group.split(".", 1)[1]
+            slots = host_blocks if name == "host" else 0
+            conn = self.kv_connectors[name] = entry.obj(self.launch, self.kv_caches,
+                                                         self.attn_backend.cache_block_dim, slots)
+            if conn.nbytes:
+                logger.info("KV connector %s: %d blocks, %.1f MiB on this rank", name, slots, conn.nbytes / 2**20)
 
     def initialize_cache(self, num_blocks: int, host_blocks: int = 0) -> None:
         """Allocate the caches, then capture the decode graphs (`--enable_graph`), all of them now,
@@ -372,8 +379,7 @@ class ModelRunner:
             want = num_blocks * self.kv_bytes_per_block()
             raise ConfigError(f"allocating the KV cache ({num_blocks} blocks, {want / 2**20:.1f} MiB on this rank) "
                               f"failed: {exc}; {self._sizing_flags()}") from None
-        if host_blocks:
-            self.initialize_host_tier(host_blocks)
+        self.initialize_kv_connectors(host_blocks)
         self._capture_graphs(graph_batch_sizes(self.config))
 
     def _sizing_flags(self) -> str:
@@ -442,7 +448,8 @@ class ModelRunner:
         if self.mm is not None:
             self.mm.forget(so.finished_request_ids)
         if so.kv_transfers is not None:
-            self.host_tier.apply(so.kv_transfers)
+            for name, transfers in so.kv_transfers.items():
+                self.kv_connectors[name].apply(transfers)
         reqs = so.requests
         if not reqs:
             return RunnerOutput([], [], [], [])
@@ -670,9 +677,9 @@ class ModelRunner:
         return self.profiler.stop()
 
     def shutdown(self) -> None:
-        if self.host_tier is not None:
-            self.host_tier.close()
-            self.host_tier = None
+        for conn in self.kv_connectors.values():
+            conn.close()
+        self.kv_connectors = {}
         self.kv_caches = []
         self.drafter = None
         self.model = None

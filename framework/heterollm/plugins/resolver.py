@@ -151,13 +151,18 @@ def resolve_model(registry: Registry, architectures: Sequence[str], families: Se
     return None
 
 
-KV_CONNECTOR_FLAGS = {"host": "--host_blocks_factor / --swap_space"}
+KV_CONNECTOR_FLAGS = {"host": "--host_blocks_factor / --swap_space", "mooncake_store": "--enable_kvcache_store"}
 """Connector name -> the flags that ask for it."""
 
 
 def kv_connectors_needed(config: HeterollmConfig) -> list[str]:
-    """The KV connectors a launch uses: "host" for the host tier."""
-    return ["host"] if config.kv_cache_store.host_blocks_factor > 0 or config.fastdeploy.swap_space else []
+    """The KV connectors a launch uses: "host" for the host tier, "mooncake_store" for the KV store."""
+    out = []
+    if config.kv_cache_store.host_blocks_factor > 0 or config.fastdeploy.swap_space:
+        out.append("host")
+    if config.kv_cache_store.enable_kvcache_store:
+        out.append("mooncake_store")
+    return out
 
 
 def resolve_kv_connector(registry: Registry, name: str, families: Sequence[str], platform: str) -> Entry | None:
