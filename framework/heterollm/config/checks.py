@@ -42,6 +42,9 @@ def check_flag_combinations(config: HeterollmConfig) -> list[str]:
     problems += expert_parallel_problems(config)
     problems += discovery_problems(config)
     problems += spec_problems(config)
+    from heterollm.kv_cache.pd import pd_problems
+
+    problems += pd_problems(config)
     if config.kv_cache.kv_events_config:
         events = parse_kv_events_config(config.kv_cache.kv_events_config)
         problems += kv_events_port_problems(events, engine_replicas(config))

@@ -60,10 +60,6 @@ _planned("graph_optimization_config "
          "the accelerator backends issue")
 _planned("layers_wise_copy_batchs enable_control_h2d_block_num", "pacing the host tier's copies back layer by layer "
          "beside the forward; the host tier (--host_blocks_factor, --swap_space) copies every layer before the step")
-_planned("enable_disagg_pd disagg_pd_port kv_cache_transfer_mode transfer_listen_port "
-         "kv_push_dst_rotate splitwise_role innode_prefill_ports", "PD disaggregation")
-_planned("instance_role", "PD disaggregation: a PREFILL or DECODE instance; DEFAULT and MIX serve whole requests "
-         "and are recorded as such when the instance registers", ok=("MIX",))
 _planned("disable_ttft_profiling", "it skips the TTFT / TPOT profile a disaggregated-PD instance reports to the "
          "service router; PD disaggregation")
 _planned("indexer_cache_dtype max_linear_state_cache_slots phy_page_granularity_size enable_dsa_multi_stream",

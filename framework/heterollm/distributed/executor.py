@@ -126,6 +126,10 @@ class MultiprocExecutor(Executor):
         """Every rank loads its shard of the new weights (a rank that fails leaves the job)."""
         return self._call("update_weights", update)
 
+    def kv_connector_info(self) -> list[dict[str, dict[str, object]]]:
+        """Every rank's (rank 0 gathers them), in rank order."""
+        return self._call("kv_connector_info")
+
     def start_profile(self) -> None:
         self._call("start_profile")
 

@@ -162,7 +162,7 @@ def _serve(executor: Any, ctrl: Any, rank: int, conn: Any, gather_steps: bool = 
             if rank != 0:  # nobody hears this rank's answer: leave, so the engine sees a dead worker
                 os._exit(1)
             error = exc
-        if method in ("memory_profile", "stop_profile"):  # rank 0 answers for every rank (the launcher
+        if method in ("memory_profile", "stop_profile", "kv_connector_info"):  # rank 0 answers for every rank (the launcher
             # sizes the cache for all; every rank's trace file)
             profiles: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(profiles, result if error is None else [], group=ctrl)

@@ -27,6 +27,7 @@ from heterollm.interfaces import RunnerOutput, SchedulerOutput
 from heterollm.kv_cache import DataParallelKVCacheManager, KVCacheManager
 from heterollm.kv_cache.events import make_kv_event_publisher
 from heterollm.kv_cache.host_tier import host_slots_for
+from heterollm.kv_cache.pd import pd_role, peers_from
 from heterollm.kv_cache.store_tier import SEGMENT_BYTES as STORE_SEGMENT_BYTES, StoreTier, key_prefix, open_store
 from heterollm.model_executor.loader import ModelSource, resolve_model
 from heterollm.model_executor.registry import check_model_support
@@ -75,12 +76,32 @@ class _Parent:
         return all(c.request.finished for c in self.children)
 
 
+@dataclass
+class _PDAdmission:
+    """What a request's kv_transfer_params do to it (kv_cache/pd.py)."""
+
+    hold: bool = False
+    pull: tuple[Any, list[int]] | None = None
+    first_token: int | None = None
+
+    def apply(self, request: Request) -> None:
+        request.kv_hold = self.hold
+        if self.pull is not None:
+            request.kv_pull = self.pull
+            request.output_token_ids = [self.first_token]
+            request.pd_first_token = True
+
+
 class LLMEngine:
     def __init__(self, config: HeterollmConfig, dp_rank: int = 0) -> None:
         """`dp_rank`: which of the --dp_size replicas behind one server this engine is (its KV
         events go to the base ports + dp_rank)."""
         self.config = config
         self.dp_rank = dp_rank
+        self.engine_id = uuid.uuid4().hex
+        """Names this engine to other instances (PD: remote_engine_id)."""
+        self._pd_ranks: list[dict[str, Any]] | None = None
+        """PD, PREFILL: the ranks' transfer endpoints and cache addresses (asked once)."""
         self._reservation: tuple[str, Path] | None = None
         """(key, registry file) of this engine's entry in the host's memory registry, until shutdown."""
         self.selection = launch_selection(config, lambda: self._resolve_model().architectures)
@@ -297,7 +318,8 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int] | dict[str, Any], params: SamplingParams | None = None,
                     request_id: str | None = None, prompt_token_ids: list[int] | None = None,
                     priority: int = 0, ttft_slo_ms: int | None = None, pooling: PoolingParams | None = None,
-                    mm_items: list[MultiModalItem] | None = None) -> str:
+                    mm_items: list[MultiModalItem] | None = None,
+                    kv_transfer_params: dict[str, Any] | None = None) -> str:
         """Admit a request (raises RequestRejected naming the bad field; nothing is admitted then).
 
         `pooling`: an embedding or scoring request (heterollm.pooling): its prompt runs like any
@@ -311,7 +333,12 @@ class LLMEngine:
 
         Images: a prompt dict's `multi_modal_data` ({"image": [...]}) and `mm_processor_kwargs`, one
         placeholder per image in the prompt (heterollm.multimodal); or `mm_items` already processed
-        (with `prompt_token_ids` already expanded), as the API server sends them."""
+        (with `prompt_token_ids` already expanded), as the API server sends them.
+
+        `kv_transfer_params` (prefill/decode disaggregation, kv_cache/pd.py): {"do_remote_decode": true}
+        on a PREFILL instance keeps the request's blocks when it ends and puts what a DECODE instance
+        needs into its final RequestOutput.kv_transfer_params; that object, given to a DECODE
+        instance, makes it pull the prompt's K/V instead of computing it."""
         self._check_scheduling_fields(priority, ttft_slo_ms)
         params, pooling = self._task_params(params, pooling)
         request_id = request_id or uuid.uuid4().hex
@@ -326,6 +353,7 @@ class LLMEngine:
         if mm_items and params is not None and params.truncate_prompt_tokens is not None:
             raise RequestRejected("truncate_prompt_tokens", "cannot cut a prompt that carries images")
         params, ids = admit_params(params, ids, self._admission_limits())  # the request's own copy
+        pd = self._pd_admit(kv_transfer_params, ids, params, pooling) if kv_transfer_params else None
         now = time.monotonic()
         parent = _Parent(request_id, text, ids, params, now)
         children = []
@@ -335,6 +363,8 @@ class LLMEngine:
             req = Request(rid, ids, params, arrival_time=now, seed_offset=i, max_model_len=self.max_model_len,
                           priority=priority, ttft_slo_ms=ttft_slo_ms, grammar=grammars[i], pooling=pooling,
                           mm_items=mm_items or None)
+            if pd is not None:
+                pd.apply(req)
             children.append(_Child(req, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens), i))
         added = []
         try:
@@ -351,6 +381,68 @@ class LLMEngine:
         for child in children:
             self._children[child.request.request_id] = (parent, child)
         return request_id
+
+    def _pd_admit(self, kv: Any, ids: list[int], params: SamplingParams,
+                  pooling: PoolingParams | None) -> _PDAdmission:
+        """Check a request's kv_transfer_params against this instance's role (RequestRejected naming
+        the field) and say what it does to the request."""
+        role = pd_role(self.config)
+        if not isinstance(kv, dict):
+            raise RequestRejected("kv_transfer_params", "must be an object")
+        if pooling is not None or params.num_sequences != 1:
+            raise RequestRejected("kv_transfer_params", "a disaggregated request generates one sequence (n = 1, "
+                                  "best_of = 1, no pooling)")
+        if kv.get("do_remote_decode"):
+            if role not in ("PREFILL", "MIX"):
+                raise RequestRejected("kv_transfer_params", f"do_remote_decode: this instance's role is {role}; "
+                                      "a PREFILL instance (--instance_role PREFILL) prefills for a decode instance")
+            return _PDAdmission(hold=True)
+        if not kv.get("do_remote_prefill"):
+            if kv:
+                raise RequestRejected("kv_transfer_params", "needs do_remote_decode or do_remote_prefill")
+            return _PDAdmission()
+        if role not in ("DECODE", "MIX") or "kv_connectors.mooncake_transfer" not in self.selection.components:
+            raise RequestRejected("kv_transfer_params", f"do_remote_prefill: this instance's role is {role}; a DECODE "
+                                  "instance (--instance_role DECODE) pulls K/V from a prefill instance")
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            raise RequestRejected("logprobs", "a disaggregated request's first token was sampled by the prefill "
+                                  "instance, which sends no logprobs: logprobs are not served with kv_transfer_params")
+        try:
+            peers = peers_from(kv)
+            remote_blocks = [int(b) for b in kv["remote_block_ids"]]
+            first = int(kv["first_token_id"])
+            remote_ids = [int(t) for t in kv["prompt_token_ids"]]
+            block_size = int(kv["block_size"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RequestRejected("kv_transfer_params", f"not a prefill instance's answer: {exc}") from None
+        if remote_ids != list(ids):
+            raise RequestRejected("kv_transfer_params", "prompt_token_ids differ from this instance's tokenization of "
+                                  "the prompt: the two instances must serve the same model and chat template")
+        if block_size != self.config.kv_cache.block_size:
+            raise RequestRejected("kv_transfer_params", f"block_size {block_size} differs from this instance's "
+                                  f"--block_size={self.config.kv_cache.block_size}")
+        if len(remote_blocks) < -(-len(ids) // block_size):
+            raise RequestRejected("kv_transfer_params", "remote_block_ids do not cover the prompt")
+        if not 0 <= first < self.vocab_size:
+            raise RequestRejected("kv_transfer_params", f"first_token_id {first} is outside the vocabulary")
+        return _PDAdmission(pull=(peers, remote_blocks), first_token=first)
+
+    def _pd_params(self, parent: _Parent) -> dict[str, Any] | None:
+        """A finished do_remote_decode request's answer for the DECODE instance."""
+        r = parent.children[0].request
+        if not (parent.finished and r.kv_hold and r.held_blocks and r.output_token_ids):
+            return None
+        if self._pd_ranks is None:
+            self._pd_ranks = [rank["mooncake_transfer"] for rank in self.executor.kv_connector_info()]
+        return {"do_remote_prefill": True, "remote_request_id": r.request_id, "remote_engine_id": self.engine_id,
+                "remote_ranks": self._pd_ranks, "remote_block_ids": list(r.held_blocks),
+                "prompt_token_ids": list(r.prompt_token_ids), "first_token_id": r.output_token_ids[0],
+                "block_size": self.config.kv_cache.block_size}
+
+    def release_kv(self, remote_request_id: str) -> bool:
+        """Free the blocks this PREFILL instance kept for `remote_request_id` (after the DECODE instance
+        pulled them); False when it keeps none (released already, expired, or unknown)."""
+        return self.scheduler.release_held(remote_request_id)
 
     def _admission_limits(self) -> AdmissionLimits:
         return AdmissionLimits(self.vocab_size, self.max_model_len, frozenset(self.eos_token_ids),
@@ -655,6 +747,16 @@ class LLMEngine:
         """Turn a step's new tokens (from the scheduler's update) into text, stop checks, outputs."""
         touched: set[str] = set()
         now = time.monotonic()
+        for request_id, why in (result.kv_failed or {}).items():
+            if request_id not in self._children:
+                continue
+            parent, child = self._children[request_id]
+            r = child.request
+            logger.error("request %s: %s", request_id, why)
+            r.error, r.finish_reason, r.finished_time = f"pulling the prompt's KV failed: {why}", "error", now
+            child.final_text = child.detok.text
+            self.scheduler.finish(request_id, "error")
+            touched.add(parent.request_id)
         for request, tokens in changed:
             if request.request_id not in self._children:  # aborted while the step ran
                 continue
@@ -767,7 +869,8 @@ class LLMEngine:
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions,
                              parent.finished, metrics,
                              first.prompt_logprobs if parent.params.prompt_logprobs is not None else None,
-                             first.pooled)
+                             first.pooled, kv_transfer_params=self._pd_params(parent) if first.kv_hold else None,
+                             error=first.error)
 
     def shutdown(self) -> None:
         if self._profiling:  # a profile still recording is written, not lost

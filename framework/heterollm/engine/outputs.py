@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from heterollm.interfaces import TokenLogprobs
 
@@ -79,6 +79,11 @@ class RequestOutput:
     pooled: torch.Tensor | None = None
     """A pooling request's result (CPU, fp32): its embedding, or its relevance score as a (1,) tensor;
     `outputs` then holds one completion without tokens."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """PD, on a PREFILL instance: what a DECODE instance needs to pull this request's K/V (set on the
+    final output of a request sent with kv_transfer_params {"do_remote_decode": true})."""
+    error: str | None = None
+    """Why the request ended with finish_reason "error" (a DECODE instance's KV pull that failed)."""
 
 
 @dataclass

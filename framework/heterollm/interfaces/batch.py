@@ -106,6 +106,9 @@ class RunnerOutput:
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds spent in this step's phases on the worker ("prepare", "forward", "sample"), for
     --enable_profile_step_time."""
+    kv_failed: dict[str, str] | None = None
+    """Request id -> why its KV could not be brought in this step (a KV connector's pull failed on some
+    rank): the engine ends it with that error; None when none failed."""
     expert_load: dict[str, Any] | None = None
     """--enable_eplb: the expert-load counters after this step (sparse layer indices, choices per
     logical expert and per physical slot since start, each slot's expert, each rank's choices since

@@ -80,6 +80,11 @@ class Executor(Component):
         capability: the default refuses, and the core's executors implement it."""
         raise NotImplementedError(f"{type(self).__name__} cannot reload weights while running")
 
+    def kv_connector_info(self) -> list[dict[str, dict[str, object]]]:
+        """Per rank (rank order): connector name -> its `KVConnector.info()`, for the connectors built
+        at `initialize_cache`. Optional like `update_weights`: the default has no ranks to ask."""
+        raise NotImplementedError(f"{type(self).__name__} cannot describe its KV connectors")
+
     def start_profile(self) -> None:
         """Start the platform's online profiler (`Platform.trace_profiler`, --enable_online_profile) on
         every worker, on the thread that runs its steps, between steps. Optional, like

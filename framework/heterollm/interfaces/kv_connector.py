@@ -25,6 +25,33 @@ if TYPE_CHECKING:
     from heterollm.model_executor.runner import LaunchContext
 
 
+@dataclass(frozen=True)
+class PeerRank:
+    """Where one rank of another instance keeps its KV cache, as its "mooncake_transfer" connector
+    describes it (`KVConnector.info`): the transfer endpoint and each layer tensor's address."""
+
+    addr: str
+    """host:port of the rank's transfer engine."""
+    ptrs: tuple[int, ...]
+    """Each layer's cache tensor's address in that process."""
+    shape: tuple[int, ...]
+    """One layer's cache shape (the attention backend's layout)."""
+    dtype: str
+    """The cache's torch dtype, e.g. "torch.bfloat16"."""
+
+
+@dataclass(frozen=True)
+class KVPull:
+    """Copy a request's prompt blocks from another instance's ranks into this one's (prefill/decode
+    disaggregation, PULL): remote block i goes to local block i."""
+
+    request_id: str
+    peers: tuple[PeerRank, ...]
+    """The prefill instance's ranks, in rank order."""
+    remote_blocks: tuple[int, ...]
+    local_blocks: tuple[int, ...]
+
+
 @dataclass
 class KVTransfers:
     """One step's block moves for one connector. Every rank runs them before the step's forward, all
@@ -38,9 +65,11 @@ class KVTransfers:
     data: dict[int, list[bytes]] = field(default_factory=dict)
     """key -> the bytes of each rank's share (rank order), for a connector whose engine side fetched
     them (the KV store: a fetch that fails is a cache miss there, never a half-loaded block here)."""
+    pulls: list[KVPull] = field(default_factory=list)
+    """Requests whose prompt blocks come from another instance (the "mooncake_transfer" connector)."""
 
     def __bool__(self) -> bool:
-        return bool(self.save or self.load)
+        return bool(self.save or self.load or self.pulls)
 
 
 class KVConnector(Component):
@@ -63,12 +92,20 @@ class KVConnector(Component):
     def load(self, pairs: list[tuple[int, int]]) -> None:
         """Copy each (slot, cache block) in; the step's forward, which runs next, must see the data."""
 
-    def apply(self, transfers: KVTransfers) -> None:
-        """Run one step's moves: saves first, then loads."""
+    def apply(self, transfers: KVTransfers) -> dict[str, str]:
+        """Run one step's moves: saves first, then loads. Returns request id -> why, for requests whose
+        blocks could not be brought in (a pull from a dead peer): the engine ends those requests with
+        that error; the step's other requests are unaffected."""
         if transfers.save:
             self.save(transfers.save)
         if transfers.load:
             self.load(transfers.load)
+        return {}
+
+    def info(self) -> dict[str, object]:
+        """What another instance needs to reach this rank's cache through this connector (the
+        "mooncake_transfer" connector: a PeerRank's fields); empty when nothing."""
+        return {}
 
     @property
     def nbytes(self) -> int:

@@ -48,6 +48,9 @@ class InProcessExecutor(Executor):
     def update_weights(self, update: WeightUpdate) -> int:
         return self.runner.update_weights(update)
 
+    def kv_connector_info(self) -> list[dict[str, dict[str, object]]]:
+        return [self.runner.kv_connector_info()]
+
     def start_profile(self) -> None:
         self.runner.start_profile()
 

@@ -358,6 +358,24 @@ class ModelRunner:
             if conn.nbytes:
                 logger.info("KV connector %s: %d blocks, %.1f MiB on this rank", name, slots, conn.nbytes / 2**20)
 
+    def kv_connector_info(self) -> dict[str, dict[str, object]]:
+        return {name: conn.info() for name, conn in self.kv_connectors.items()}
+
+    def _apply_kv_transfers(self, so: SchedulerOutput) -> dict[str, str] | None:
+        """Run the step's block moves. A request whose blocks failed to arrive on any rank is reported
+        by every rank alike (the ranks agree through one all-reduce over the step's pulls)."""
+        failed: dict[str, str] = {}
+        for name, transfers in so.kv_transfers.items():
+            failed.update(self.kv_connectors[name].apply(transfers))
+        pulls = [p.request_id for t in so.kv_transfers.values() for p in t.pulls]
+        if pulls and self.pctx.tp_size > 1:
+            flags = torch.tensor([1.0 if r in failed else 0.0 for r in pulls], device=self.device)
+            flags = self.pctx.communicator.all_reduce(flags)
+            for r, f in zip(pulls, flags.tolist()):
+                if f > 0 and r not in failed:
+                    failed[r] = "another tensor-parallel rank could not pull its share of the KV blocks"
+        return failed or None
+
     def initialize_cache(self, num_blocks: int, host_blocks: int = 0) -> None:
         """Allocate the caches, then capture the decode graphs (`--enable_graph`), all of them now,
         before any request. A failed capture turns graphs off with a warning: the engine serves
@@ -447,12 +465,10 @@ class ModelRunner:
         self.pooler.forget(so.finished_request_ids)
         if self.mm is not None:
             self.mm.forget(so.finished_request_ids)
-        if so.kv_transfers is not None:
-            for name, transfers in so.kv_transfers.items():
-                self.kv_connectors[name].apply(transfers)
+        kv_failed = self._apply_kv_transfers(so) if so.kv_transfers is not None else None
         reqs = so.requests
         if not reqs:
-            return RunnerOutput([], [], [], [])
+            return RunnerOutput([], [], [], [], kv_failed=kv_failed)
         if self.pctx.dp_size > 1:
             reqs = self._own_requests(reqs)
             if not reqs:  # the experts' all_to_all needs every rank: run a token on the scratch block
@@ -490,7 +506,7 @@ class ModelRunner:
             timings={"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2,
                      **({"draft": t4 - t3} if self.drafter is not None else {}),
                      **({"comm": self.pctx.communicator.seconds - comm0} if comm0 is not None else {})},
-            expert_load=expert_load)
+            expert_load=expert_load, kv_failed=kv_failed)
 
     def _own_requests(self, reqs: list[ScheduledRequest]) -> list[ScheduledRequest]:
         """Attention DP: the step's requests whose blocks are this rank's (the engine's KV manager keeps a

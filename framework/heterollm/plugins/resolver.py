@@ -151,17 +151,23 @@ def resolve_model(registry: Registry, architectures: Sequence[str], families: Se
     return None
 
 
-KV_CONNECTOR_FLAGS = {"host": "--host_blocks_factor / --swap_space", "mooncake_store": "--enable_kvcache_store"}
+KV_CONNECTOR_FLAGS = {"host": "--host_blocks_factor / --swap_space", "mooncake_store": "--enable_kvcache_store",
+                      "mooncake_transfer": "--instance_role PREFILL / DECODE"}
 """Connector name -> the flags that ask for it."""
 
 
 def kv_connectors_needed(config: HeterollmConfig) -> list[str]:
-    """The KV connectors a launch uses: "host" for the host tier, "mooncake_store" for the KV store."""
+    """The KV connectors a launch uses: "host" for the host tier, "mooncake_store" for the KV store,
+    "mooncake_transfer" for a PREFILL or DECODE instance."""
     out = []
     if config.kv_cache_store.host_blocks_factor > 0 or config.fastdeploy.swap_space:
         out.append("host")
     if config.kv_cache_store.enable_kvcache_store:
         out.append("mooncake_store")
+    from heterollm.kv_cache.pd import is_disaggregated
+
+    if is_disaggregated(config):
+        out.append("mooncake_transfer")
     return out
 
 

@@ -80,6 +80,18 @@ class Request:
     mm_items: list[Any] | None = None
     """Multimodal input: the prompt's images (heterollm.multimodal.MultiModalItem), handed to the
     runner with every step that computes prompt tokens; None for a text-only request."""
+    kv_hold: bool = False
+    """PD, on a PREFILL instance: keep the request's blocks when it finishes, for a DECODE instance to
+    pull (`Scheduler.release_held`)."""
+    held_blocks: list[int] | None = None
+    """The blocks kept for it once it finished (kv_hold)."""
+    kv_pull: Any = None
+    """PD, on a DECODE instance: (the prefill instance's ranks, its block ids) to pull the prompt's K/V
+    from when admitted; its first output token came with them. None once pulled."""
+    pd_first_token: bool = False
+    """The first output token came from the prefill instance and is not yet reported."""
+    error: str | None = None
+    """Why the request ended with finish_reason "error" (a KV pull that failed)."""
 
     @functools.cached_property
     def sampling_info(self) -> SamplingInfo:

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from heterollm.config.scheduling import SchedulerConfig
 from heterollm.scheduler.request import Request, RequestRejected, RequestStatus
 from heterollm.interfaces import RunnerOutput, ScheduledRequest, SchedulerOutput
+from heterollm.interfaces.kv_connector import KVPull, KVTransfers
+from heterollm.kv_cache.pd import HOLD_TIMEOUT_S
 from heterollm.kv_cache import KVCacheManager
 from heterollm.scheduler.latency import LatencyTargets
 from heterollm.scheduler.policy import SchedulingPolicy
@@ -76,6 +78,10 @@ class Scheduler:
         self._unresolved: list[tuple[ScheduledRequest, Request, int]] = []
         chunk = config.max_tokens_per_chunk_for_prefill
         self.chunk_size = min(chunk, config.max_tokens_per_batch) if chunk > 0 else config.max_tokens_per_batch
+        self.held: dict[str, float] = {}
+        """PD, PREFILL: finished requests whose blocks are kept for a pull -> when they are freed anyway."""
+        self._pulls: list[KVPull] = []
+        """PD, DECODE: pulls of the requests admitted this step."""
         self.num_preemptions = 0
         self.num_deadline_missed = 0
         """Requests that waited past their TTFT deadline before being admitted (reported once each)."""
@@ -124,8 +130,25 @@ class Scheduler:
             self.deferred.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = request.finish_reason or reason
-        self.kv.free(request_id)
+        if request.kv_hold and request.finish_reason in ("stop", "length") and self.kv.tables.get(request_id):
+            request.held_blocks = list(self.kv.tables[request_id])  # freed by release_held, or at expiry
+            self.held[request_id] = self.clock() + HOLD_TIMEOUT_S
+        else:
+            self.kv.free(request_id)
         self._finished_since_last.append(request_id)
+
+    def release_held(self, request_id: str) -> bool:
+        """Free the blocks a PREFILL instance kept for `request_id`; False when it keeps none."""
+        if self.held.pop(request_id, None) is None:
+            return False
+        self.kv.free(request_id)
+        return True
+
+    def _expire_held(self, now: float) -> None:
+        for request_id in [r for r, deadline in self.held.items() if deadline <= now]:
+            logger.warning("PD: the blocks kept for %s were not released within %.0f s; freeing them", request_id,
+                           HOLD_TIMEOUT_S)
+            self.release_held(request_id)
 
     # -- one step --------------------------------------------------------------------------
     def _preempt(self, victim: Request) -> None:
@@ -145,6 +168,8 @@ class Scheduler:
         step = _Step(self.config.max_tokens_per_batch, self.config.max_seqs_per_batch, self.clock(),
                      self.config.enable_chunked_prefill)
         self._release_deferred()
+        if self.held:
+            self._expire_held(step.now)
         self._order_waiting(step.now)
         step.protect = self.latency is not None and any(r.is_decoding for r in self.running)
         if not self.config.enable_mix_batch and self.waiting and self._waiting_fits():
@@ -190,6 +215,11 @@ class Scheduler:
             need = lim.footprint(request.num_prompt_tokens, bs)
             if busy and lim.splits_cache and footprint + need > lim.prefill_block_ratio * self.kv.pool.num_blocks:
                 break
+            if request.kv_pull is not None:
+                if not self._admit_pulled(step, request):
+                    break
+                del self.waiting[i]
+                continue
             cached = self._match_prefix(request)
             remaining = request.num_tokens - cached
             num_new = min(remaining, step.budget, self.chunk_size) if step.chunked else remaining
@@ -217,6 +247,29 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._take(step, request, num_new, cached)
+
+    def _admit_pulled(self, step: _Step, request: Request) -> bool:
+        """PD, DECODE: a request whose prompt K/V is on a prefill instance. Blocks for the prompt and
+        its first token (already sampled there) are allocated; the prompt's blocks this cache does not
+        hold are pulled before this step's forward, which decodes the first token."""
+        peers, remote_blocks = request.kv_pull
+        prompt = request.num_prompt_tokens
+        cached = self._match_prefix(request) if request.num_computed_tokens == 0 else 0
+        cached = min(cached, (prompt - 1) // self.kv.block_size * self.kv.block_size)
+        if self.kv.allocate(request.request_id, prompt + 1 + self._room(request, 1, prompt)) is None:
+            return False
+        table = self.kv.tables[request.request_id]
+        first, last = cached // self.kv.block_size, self.kv.blocks_for(prompt)
+        self._pulls.append(KVPull(request.request_id, peers, tuple(remote_blocks[first:last]),
+                                  tuple(table[first:last])))
+        request.kv_pull = None
+        request.num_computed_tokens = prompt
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = cached
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._take(step, request, 1, prompt)
+        return True
 
     def _partial_prefills(self, step: _Step) -> tuple[int, int]:
         """(requests part way through their prompt after this step's running work, of them long ones)."""
@@ -415,7 +468,11 @@ class Scheduler:
         finished, self._finished_since_last = self._finished_since_last, []
         # the host tier's copies go with a step that runs (an empty one may be skipped): they come
         # from this step's allocations, and any earlier ones wait for it
-        return SchedulerOutput(items, finished, kv_transfers=self.kv.take_transfers() if items else None)
+        transfers = self.kv.take_transfers() if items else None
+        if self._pulls:
+            transfers = {**(transfers or {}), "mooncake_transfer": KVTransfers(pulls=self._pulls)}
+            self._pulls = []
+        return SchedulerOutput(items, finished, kv_transfers=transfers)
 
     @staticmethod
     def _have(r: Request) -> int:
@@ -437,9 +494,14 @@ class Scheduler:
                                                     result.prompt_logprobs)))
         pooled = dict(zip(result.request_ids, result.pooled or ()))
         changed = []
+        failed = result.kv_failed or {}
         for item in output.requests:
             r = self.requests.get(item.request_id)
             if r is None:
+                continue
+            if item.request_id in failed:  # its K/V never arrived: the engine ends it with the reason
+                r.num_pending -= item.sample
+                r.pd_first_token = False
                 continue
             r.num_pending -= item.sample
             tokens, lps, plps = sampled.get(item.request_id, ([], None, None))
@@ -460,11 +522,16 @@ class Scheduler:
             if pooled.get(item.request_id) is not None:
                 r.pooled = pooled[item.request_id]
                 changed.append((r, []))
+            lead = []
+            if r.pd_first_token:  # the prefill instance's token: reported with the first step's
+                r.pd_first_token = False
+                lead = r.output_token_ids[:1]
             if tokens:
                 r.output_token_ids.extend(tokens)
                 if lps:
                     r.logprobs.extend(lps)
-                changed.append((r, tokens))
+            if lead or tokens:
+                changed.append((r, lead + list(tokens)))
             # accepted drafts are known tokens now: the blocks they complete can be cached
             if (r.status is RequestStatus.RUNNING and r.num_computed_tokens >= end
                     and self.kv.commit_due(r.request_id, end)):

@@ -5,7 +5,8 @@ from heterollm.interfaces.backend import Backend
 CORE_BACKEND = Backend(
     name="core", api_version=">=2.0,<3",
     kv_connectors={"host": "heterollm.kv_cache.host_tier:HostMemoryConnector",
-                   "mooncake_store": "heterollm.kv_cache.store_tier:MooncakeStoreConnector"},
+                   "mooncake_store": "heterollm.kv_cache.store_tier:MooncakeStoreConnector",
+                   "mooncake_transfer": "heterollm.kv_cache.pd:MooncakeTransferConnector"},
     models={
         "LlamaForCausalLM": "heterollm.model_executor.models.llama:LlamaForCausalLM",
         "MistralForCausalLM": "heterollm.model_executor.models.llama:LlamaForCausalLM",

@@ -1,0 +1,215 @@
+"""Prefill/decode disaggregation: an instance's role, its launch checks, and the "mooncake_transfer"
+KV connector that moves a request's prompt blocks from a PREFILL instance to a DECODE instance.
+
+The flow (PULL, the router drives it: entrypoints/route.py, docs in the README):
+1. The PREFILL instance runs the prompt with max_tokens 1 for a request carrying
+   `kv_transfer_params: {"do_remote_decode": true}`, samples the first token and keeps the request's
+   blocks (`Scheduler.held`) until released or HOLD_TIMEOUT_S passes. Its answer carries
+   `kv_transfer_params` (`prefill_result`): its ranks' transfer endpoints and cache addresses, the
+   block ids, the prompt's token ids and the first token.
+2. The DECODE instance admits the request with those params: the blocks its prefix cache lacks are
+   allocated, the first token is its first output, and the step that decodes it first pulls the
+   blocks over Mooncake's transfer engine (TCP), rank by rank, head by head (the two instances may
+   have different tensor-parallel sizes). A pull that fails ends that request with an error; the
+   step's other requests go on.
+3. The router then releases the PREFILL instance's blocks.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from heterollm.config import ConfigError
+from heterollm.interfaces.kv_connector import KVConnector, KVPull, KVTransfers, PeerRank
+
+if TYPE_CHECKING:
+    from heterollm.config import HeterollmConfig
+    from heterollm.model_executor.runner import LaunchContext
+
+logger = logging.getLogger("heterollm.kv_cache.pd")
+
+HOLD_TIMEOUT_S = 60.0
+"""How long a PREFILL instance keeps a finished request's blocks for its DECODE instance to pull."""
+ROLES = ("DEFAULT", "MIX", "PREFILL", "DECODE")
+_SPLITWISE = {"mixed": None, "prefill": "PREFILL", "decode": "DECODE"}
+
+
+def pd_role(config: HeterollmConfig) -> str:
+    """The instance's role: --instance_role, or FastDeploy's --splitwise_role prefill / decode."""
+    return _SPLITWISE[config.fastdeploy.splitwise_role] or config.pd.instance_role
+
+
+def is_disaggregated(config: HeterollmConfig) -> bool:
+    return pd_role(config) in ("PREFILL", "DECODE")
+
+
+def pd_problems(config: HeterollmConfig) -> list[str]:
+    """The PD flags' launch checks, one line each naming the flag."""
+    pd, fd = config.pd, config.fastdeploy
+    out = []
+    sw = _SPLITWISE[fd.splitwise_role]
+    if sw and pd.instance_role not in ("DEFAULT", sw):
+        out.append(f"--splitwise_role={fd.splitwise_role} contradicts --instance_role={pd.instance_role}")
+    role = pd_role(config)
+    defaults = type(pd)()
+    if pd.disagg_pd_port != defaults.disagg_pd_port:
+        out.append("--disagg_pd_port: heterollm's instances exchange PD control over their HTTP API port (the "
+                   "router calls /v1/kv_transfer/release there); there is no separate bRPC server to place")
+    if fd.innode_prefill_ports:
+        out.append("--innode_prefill_ports: FastDeploy's in-node prefill engine ports; heterollm's PREFILL "
+                   "instances are reached through the router (heterollm route --prefill_instances / etcd)")
+    if role not in ("PREFILL", "DECODE"):
+        if pd.enable_disagg_pd:
+            out.append("--enable_disagg_pd: needs --instance_role PREFILL or DECODE (or --splitwise_role prefill / "
+                       "decode)")
+        for name in ("kv_cache_transfer_mode", "transfer_listen_port", "kv_push_dst_rotate"):
+            if getattr(pd, name) != getattr(defaults, name):
+                out.append(f"--{name}: only a PREFILL or DECODE instance transfers KV (--instance_role)")
+        return out
+    if pd.kv_cache_transfer_mode == "PUSH":
+        out.append(f"--instance_role={role} with --kv_cache_transfer_mode=PUSH: not built yet (the prefill "
+                   "instance writing into blocks the decode instance reserved); --kv_cache_transfer_mode=PULL "
+                   "works: the decode instance reads the prefill instance's blocks")
+    if pd.kv_push_dst_rotate:
+        out.append("--kv_push_dst_rotate: rotates PUSH destinations; only PULL is built")
+    from heterollm.config.checks import attention_dp_size
+
+    if attention_dp_size(config) > 1:
+        out.append(f"--instance_role={role}: not built with attention data parallelism")
+    if config.speculative.draft_model:
+        out.append(f"--instance_role={role}: a draft model's KV cache is not transferred: not served with "
+                   "--draft_model")
+    if config.distributed.nnodes > 1:
+        out.append(f"--instance_role={role}: one node per instance (--nnodes > 1 is not built for PD)")
+    return out
+
+
+class MooncakeTransferConnector(KVConnector):
+    """The core's "mooncake_transfer" connector: a Mooncake transfer engine per rank over TCP (its
+    listening port --transfer_listen_port + rank), with the rank's cache tensors registered so a
+    peer can read them. Pulls read each (layer, K/V, head) block slice of the peer's cache, mapping
+    heads across different tensor-parallel sizes."""
+
+    @classmethod
+    def validate(cls, config: HeterollmConfig) -> list[str]:
+        return []  # pd_problems runs with every launch's flag checks (config/checks.py)
+
+    def __init__(self, launch: LaunchContext, caches: list[torch.Tensor], block_dim: int, num_slots: int) -> None:
+        if not caches or block_dim != 2 or caches[0].dim() != 5 or caches[0].shape[0] != 2:
+            shape = tuple(caches[0].shape) if caches else ()
+            raise ConfigError(f"--instance_role: PD disaggregation moves caches laid out (K/V, heads, blocks, "
+                              f"block size, head dim); this model's cache is {shape} (MLA caches are not built)")
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as exc:
+            raise ConfigError(f"--instance_role: Mooncake's transfer engine is not installed ({exc}); "
+                              "pip install 'heterollm[kv]' (mooncake-transfer-engine-non-cuda)") from None
+        config = launch.config
+        self.caches = caches
+        self.rank, self.tp = launch.rank, config.parallel.tp_size
+        host = _advertised(config.server.host)
+        port = config.pd.transfer_listen_port + self.rank
+        self.engine = TransferEngine()
+        if self.engine.initialize(f"{host}:{port}", "P2PHANDSHAKE", "tcp", "") != 0:
+            raise ConfigError(f"--transfer_listen_port={config.pd.transfer_listen_port}: the transfer engine of rank "
+                              f"{self.rank} did not start on {host}:{port}")
+        for cache in caches:
+            if self.engine.register_memory(cache.data_ptr(), cache.numel() * cache.element_size()) != 0:
+                raise ConfigError("--instance_role: the transfer engine could not register the KV cache's memory")
+        self.addr = f"{host}:{self.engine.get_rpc_port()}"
+        logger.info("KV transfer: rank %d listens on %s", self.rank, self.addr)
+
+    def info(self) -> dict[str, Any]:
+        c = self.caches[0]
+        return {"addr": self.addr, "ptrs": [t.data_ptr() for t in self.caches], "shape": list(c.shape),
+                "dtype": str(c.dtype)}
+
+    def save(self, pairs: list[tuple[int, int]]) -> None:
+        raise NotImplementedError("the transfer connector only pulls")
+
+    def load(self, pairs: list[tuple[int, int]]) -> None:
+        raise NotImplementedError("the transfer connector only pulls")
+
+    def apply(self, transfers: KVTransfers) -> dict[str, str]:
+        failed = {}
+        for pull in transfers.pulls:
+            why = self._pull(pull)
+            if why is not None:
+                failed[pull.request_id] = why
+                logger.warning("KV pull for %s failed: %s", pull.request_id, why)
+        return failed
+
+    def _pull(self, pull: KVPull) -> str | None:
+        mine = self.caches[0]
+        _, heads, blocks, bs, dim = mine.shape
+        elt = mine.element_size()
+        peers = pull.peers
+        peer_heads = peers[0].shape[1]
+        if len(self.caches) != len(peers[0].ptrs) or tuple(peers[0].shape[3:]) != (bs, dim) \
+                or peers[0].dtype != str(mine.dtype) or peer_heads * len(peers) != heads * self.tp:
+            return (f"the prefill instance's cache ({len(peers)} rank(s) of {tuple(peers[0].shape)} {peers[0].dtype}, "
+                    f"{len(peers[0].ptrs)} layers) does not match this one's ({self.tp} rank(s) of {tuple(mine.shape)} "
+                    f"{mine.dtype}, {len(self.caches)} layers): same model, dtype and block size needed")
+        chunk = bs * dim * elt
+        by_peer: dict[int, tuple[list[int], list[int], list[int]]] = {}
+        for layer, cache in enumerate(self.caches):
+            base = cache.data_ptr()
+            for kv in range(2):
+                for j in range(heads):
+                    g = self.rank * heads + j  # the global KV head
+                    src_rank, h = divmod(g, peer_heads)
+                    peer = peers[src_rank]
+                    peer_blocks = peer.shape[2]
+                    dsts, srcs, lens = by_peer.setdefault(src_rank, ([], [], []))
+                    for rb, lb in zip(pull.remote_blocks, pull.local_blocks):
+                        srcs.append(peer.ptrs[layer] + ((kv * peer_heads + h) * peer_blocks + rb) * chunk)
+                        dsts.append(base + ((kv * heads + j) * blocks + lb) * chunk)
+                        lens.append(chunk)
+        for src_rank, (dsts, srcs, lens) in by_peer.items():
+            try:
+                rc = self.engine.batch_transfer_sync_read(peers[src_rank].addr, dsts, srcs, lens)
+            except Exception as exc:  # the transport's own errors
+                return f"reading from the prefill instance's rank {src_rank} ({peers[src_rank].addr}) failed: {exc}"
+            if rc != 0:
+                return (f"reading from the prefill instance's rank {src_rank} ({peers[src_rank].addr}) failed "
+                        f"(transfer engine code {rc}): is it still running?")
+        return None
+
+    def close(self) -> None:
+        if self.caches:
+            for cache in self.caches:
+                try:
+                    self.engine.unregister_memory(cache.data_ptr())
+                except Exception:
+                    pass
+        self.caches = []
+
+
+def _advertised(host: str) -> str:
+    if host not in ("", "0.0.0.0", "::"):
+        return host
+    import socket
+
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def peers_from(params: dict[str, Any]) -> tuple[PeerRank, ...]:
+    """The PeerRanks a prefill instance's kv_transfer_params describe (raises ValueError naming what is wrong)."""
+    ranks = params.get("remote_ranks")
+    if not isinstance(ranks, list) or not ranks:
+        raise ValueError("remote_ranks must be a non-empty list")
+    out = []
+    for i, r in enumerate(ranks):
+        try:
+            out.append(PeerRank(addr=str(r["addr"]), ptrs=tuple(int(p) for p in r["ptrs"]),
+                                shape=tuple(int(x) for x in r["shape"]), dtype=str(r["dtype"])))
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"remote_ranks[{i}] needs addr, ptrs, shape and dtype") from None
+        if len(out[-1].shape) != 5:
+            raise ValueError(f"remote_ranks[{i}].shape must have 5 dimensions")
+    return tuple(out)

@@ -1,0 +1,207 @@
+"""Prefill/decode disaggregation, engine side (kv_cache/pd.py): a PREFILL engine keeps a prompt's
+blocks and describes them; a DECODE engine pulls them over Mooncake's transfer engine (TCP, real)
+and decodes with the same greedy tokens as one instance; blocks come back on both sides; a pull
+from a dead peer ends only that request, with the reason; bad params are refused naming the field;
+the PD flags' launch checks."""
+from __future__ import annotations
+
+import random
+import socket
+from pathlib import Path
+
+import pytest
+
+from heterollm.config import load_config
+from heterollm.config.checks import check_flag_combinations
+from heterollm.scheduler.request import RequestRejected
+
+from helpers import build_tiny_model
+
+COMMON = dict(dtype="float32", block_size=8, num_gpu_blocks_override=40, max_model_len=128)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("pd") / "m", "llama")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(1)
+    return [[rng.randrange(100, 20000) for _ in range(n)] for n in (5, 16, 23, 39)]
+
+
+def greedy(max_tokens=8):
+    from heterollm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+def drain(engine):
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    return outs
+
+
+@pytest.fixture(scope="module")
+def instances(tiny):
+    from heterollm import LLM
+
+    p = LLM(str(tiny), instance_role="PREFILL", kv_cache_transfer_mode="PULL", transfer_listen_port=free_port(),
+            **COMMON)
+    d = LLM(str(tiny), instance_role="DECODE", kv_cache_transfer_mode="PULL", transfer_listen_port=free_port(),
+            **COMMON)
+    yield p.engine, d.engine
+    p.shutdown()
+    d.shutdown()
+
+
+def prefill(p, prompt):
+    from heterollm import SamplingParams
+
+    p.add_request(prompt, SamplingParams(max_tokens=1, temperature=0), kv_transfer_params={"do_remote_decode": True})
+    out = drain(p)[-1]
+    assert out.finished and out.kv_transfer_params is not None
+    return out.kv_transfer_params
+
+
+def test_prefill_then_decode_gives_one_instances_tokens_and_frees_every_block(tiny, prompts, instances):
+    from heterollm import LLM
+
+    ref = LLM(str(tiny), **COMMON)
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, greedy())]
+    ref.shutdown()
+    p, d = instances
+    free_p, free_d = p.kv.num_free_blocks, d.kv.num_free_blocks
+    got = []
+    for prompt in prompts:
+        kv = prefill(p, prompt)
+        assert kv["prompt_token_ids"] == prompt and kv["first_token_id"] == want[len(got)][0]
+        assert len(kv["remote_block_ids"]) == -(-len(prompt) // 8) and len(kv["remote_ranks"]) == 1
+        assert p.kv.num_free_blocks < free_p, "the prefill instance keeps the blocks for the pull"
+        d.add_request(prompt, greedy(), kv_transfer_params=kv)
+        outs = drain(d)
+        assert outs[0].outputs[0].token_ids[:1] == [kv["first_token_id"]], "the first token is reported first"
+        got.append(outs[-1].outputs[0].token_ids)
+        assert outs[-1].metrics.num_prompt_tokens == len(prompt)
+        assert p.release_kv(kv["remote_request_id"]) and not p.release_kv(kv["remote_request_id"])
+    assert got == want
+    assert p.kv.num_free_blocks == free_p and d.kv.num_free_blocks == free_d
+
+
+def test_the_decode_instances_prefix_cache_skips_blocks_it_holds(prompts, instances):
+    p, d = instances
+    prompt = prompts[3]  # 39 tokens: 4 full blocks + 7
+    first = prefill(p, prompt)
+    d.add_request(prompt, greedy(2), kv_transfer_params=first)
+    a = drain(d)[-1]
+    p.release_kv(first["remote_request_id"])
+    again = prefill(p, prompt)
+    d.add_request(prompt, greedy(2), kv_transfer_params=again)
+    b = drain(d)[-1]
+    p.release_kv(again["remote_request_id"])
+    assert b.metrics.num_cached_tokens == 32 and b.outputs[0].token_ids == a.outputs[0].token_ids
+
+
+def test_a_pull_from_a_dead_peer_ends_that_request_only(prompts, instances):
+    p, d = instances
+    kv = prefill(p, prompts[2])
+    bad = {**kv, "remote_ranks": [{**kv["remote_ranks"][0], "addr": f"127.0.0.1:{free_port()}"}]}
+    free_d = d.kv.num_free_blocks
+    d.add_request(prompts[2], greedy(), request_id="doomed", kv_transfer_params=bad)
+    d.add_request(prompts[1], greedy(), request_id="plain")
+    outs = {o.request_id: o for o in drain(d)}
+    assert outs["doomed"].outputs[0].finish_reason == "error"
+    assert "pulling the prompt's KV failed" in outs["doomed"].error and "127.0.0.1:" in outs["doomed"].error
+    assert outs["plain"].outputs[0].finish_reason == "length" and outs["plain"].error is None
+    assert d.kv.num_free_blocks == free_d
+    assert p.release_kv(kv["remote_request_id"])
+
+
+def test_held_blocks_are_freed_when_nobody_releases_them(prompts, instances, monkeypatch):
+    import heterollm.scheduler.scheduler as sched
+
+    p, _ = instances
+    free_p = p.kv.num_free_blocks
+    monkeypatch.setattr(sched, "HOLD_TIMEOUT_S", 0.0)
+    prefill(p, prompts[1])
+    assert p.kv.num_free_blocks < free_p
+    p.add_request([5, 6, 7], greedy(1))  # any later step expires the hold
+    drain(p)
+    assert p.kv.num_free_blocks == free_p and not p.scheduler.held
+
+
+def test_bad_params_are_refused_naming_the_field(prompts, instances):
+    from heterollm import SamplingParams
+
+    p, d = instances
+    kv = prefill(p, prompts[1])
+    cases = [
+        (d, {**kv, "prompt_token_ids": kv["prompt_token_ids"][:-1]}, greedy(), "kv_transfer_params", "differ"),
+        (d, {**kv, "block_size": 16}, greedy(), "kv_transfer_params", "block_size 16"),
+        (d, {**kv, "remote_ranks": "x"}, greedy(), "kv_transfer_params", "remote_ranks"),
+        (d, {k: v for k, v in kv.items() if k != "first_token_id"}, greedy(), "kv_transfer_params", "first_token_id"),
+        (d, kv, SamplingParams(max_tokens=3, logprobs=1), "logprobs", "first token"),
+        (d, kv, SamplingParams(max_tokens=3, n=2), "kv_transfer_params", "n = 1"),
+        (p, kv, greedy(), "kv_transfer_params", "role is PREFILL"),
+        (d, {"do_remote_decode": True}, greedy(), "kv_transfer_params", "role is DECODE"),
+        (d, {"other": 1}, greedy(), "kv_transfer_params", "do_remote_decode or do_remote_prefill"),
+    ]
+    for engine, params, sampling, field, words in cases:
+        with pytest.raises(RequestRejected, match=words) as info:
+            engine.add_request(prompts[1], sampling, kv_transfer_params=params)
+        assert info.value.field == field
+    assert not d.has_unfinished()
+    p.release_kv(kv["remote_request_id"])
+
+
+def test_launch_checks_name_the_flag():
+    def problems(*argv):
+        return check_flag_combinations(load_config(["--model", "m", *argv]).config)
+
+    assert any("--kv_cache_transfer_mode=PUSH: not built yet" in p for p in problems("--instance_role", "PREFILL"))
+    assert not problems("--instance_role", "DECODE", "--kv_cache_transfer_mode", "PULL")
+    assert not problems("--splitwise_role", "prefill", "--kv_cache_transfer_mode", "PULL", "--enable_disagg_pd")
+    assert any("contradicts" in p for p in problems("--splitwise_role", "decode", "--instance_role", "PREFILL"))
+    assert any(p.startswith("--enable_disagg_pd: needs --instance_role") for p in problems("--enable_disagg_pd"))
+    assert any(p.startswith("--transfer_listen_port: only a PREFILL or DECODE")
+               for p in problems("--transfer_listen_port", "27000"))
+    assert any(p.startswith("--disagg_pd_port:") for p in problems("--disagg_pd_port", "7000"))
+    assert any(p.startswith("--kv_push_dst_rotate:") for p in problems("--instance_role", "DECODE",
+                                                                       "--kv_cache_transfer_mode", "PULL",
+                                                                       "--kv_push_dst_rotate"))
+    assert any(p.startswith("--innode_prefill_ports:") for p in problems("--innode_prefill_ports", "8001"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp_p,tp_d", [(1, 2), (2, 1)])
+def test_different_tensor_parallel_sizes(tiny, prompts, tp_p, tp_d):
+    """Each DECODE rank reads its own heads, from whichever PREFILL rank holds them."""
+    from heterollm import LLM
+
+    ref = LLM(str(tiny), **COMMON)
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, greedy())]
+    ref.shutdown()
+    p = LLM(str(tiny), instance_role="PREFILL", kv_cache_transfer_mode="PULL", transfer_listen_port=free_port(),
+            tp_size=tp_p, **COMMON)
+    d = LLM(str(tiny), instance_role="DECODE", kv_cache_transfer_mode="PULL", transfer_listen_port=free_port(),
+            tp_size=tp_d, **COMMON)
+    try:
+        got = []
+        for prompt in prompts:
+            kv = prefill(p.engine, prompt)
+            assert len(kv["remote_ranks"]) == tp_p
+            d.engine.add_request(prompt, greedy(), kv_transfer_params=kv)
+            got.append(drain(d.engine)[-1].outputs[0].token_ids)
+            assert p.engine.release_kv(kv["remote_request_id"])
+        assert got == want
+    finally:
+        p.shutdown()
+        d.shutdown()
