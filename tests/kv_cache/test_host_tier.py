@@ -254,3 +254,12 @@ def test_tensor_parallel_ranks_each_move_their_shard(tiny):
     base, _, _ = _rounds(tiny, tp_size=2)
     tier, stats, free = _rounds(tiny, tp_size=2, host_blocks_factor=4.0)
     assert tier == base and free and stats["prefix_host_hits"] == 6 * 40
+
+
+def test_a_tier_larger_than_the_hosts_memory_is_refused_naming_the_flag(tiny):
+    from heterollm import LLM
+    from heterollm.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--swap_space: the host KV tier needs .* of host memory"):
+        LLM(str(tiny), dtype="float32", block_size=8, num_gpu_blocks_override=24, max_model_len=128,
+            swap_space=1 << 20)

@@ -26,7 +26,7 @@ from heterollm.engine.step_profiler import StepProfiler
 from heterollm.interfaces import RunnerOutput, SchedulerOutput
 from heterollm.kv_cache import DataParallelKVCacheManager, KVCacheManager
 from heterollm.kv_cache.events import make_kv_event_publisher
-from heterollm.kv_cache.host_tier import host_slots_for
+from heterollm.kv_cache.host_tier import host_available_bytes, host_slots_for, host_tier_flag
 from heterollm.kv_cache.pd import pd_role, peers_from
 from heterollm.kv_cache.store_tier import SEGMENT_BYTES as STORE_SEGMENT_BYTES, StoreTier, key_prefix, open_store
 from heterollm.model_executor.loader import ModelSource, resolve_model
@@ -187,6 +187,7 @@ class LLMEngine:
         self.host_blocks = host_slots_for(config, num_blocks, self.kv_plan.bytes_per_block)
         """Slots of the host KV tier (--host_blocks_factor / --swap_space); 0 without one."""
         if self.host_blocks:
+            self._check_host_tier_memory(config)
             self.executor.initialize_cache(num_blocks, self.host_blocks)
             logger.info("host KV tier: %d blocks (%.0f MiB over all ranks) behind the %d-block pool",
                         self.host_blocks, self.host_blocks * self.kv_plan.bytes_per_block / 2**20, num_blocks)
@@ -575,6 +576,17 @@ class LLMEngine:
                 "spec_mean_accepted_length": spec.mean_accepted_length or 0.0, "spec_num_drafts": spec.num_drafts,
                 "spec_num_draft_tokens": spec.num_draft_tokens, "spec_num_accepted_tokens": spec.num_accepted_tokens,
                 "spec_accepted_per_position": list(spec.accepted_per_position), "moe": self.expert_load}
+
+    def _check_host_tier_memory(self, config: HeterollmConfig) -> None:
+        """The host tier is host memory on every rank: refuse one larger than what the host has left
+        (on a platform whose KV cache is committed lazily, as the CPU's, minus that reservation too)."""
+        need = self.host_blocks * self.kv_plan.bytes_per_block
+        avail = host_available_bytes()
+        if self.selection.platform.idle_kv_budget_bytes is not None:
+            avail -= self.kv_plan.kv_bytes
+        if need > avail:
+            raise ConfigError(f"{host_tier_flag(config)}: the host KV tier needs {mib(need)} ({self.host_blocks} blocks) "
+                              f"of host memory; {mib(max(avail, 0))} is available beside the KV cache: lower it")
 
     def _open_kv_store(self, config: HeterollmConfig) -> StoreTier | None:
         """Connect to the KV cache store (before the weights load: an unreachable master fails fast)."""

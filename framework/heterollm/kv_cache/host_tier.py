@@ -16,6 +16,7 @@ and accounting, and a device backend uses it unchanged.
 """
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -38,11 +39,28 @@ def host_slots_for(config: HeterollmConfig, num_blocks: int, bytes_per_block: in
     return max(by_factor, by_space)
 
 
+def host_available_bytes() -> int:
+    """Host memory available now (Linux's MemAvailable; else the free pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def host_tier_flag(config: HeterollmConfig) -> str:
+    """The flag that sized the tier, as a user would name it."""
+    return "--host_blocks_factor" if config.kv_cache_store.host_blocks_factor > 0 else "--swap_space"
+
+
 def host_tier_problems(config: HeterollmConfig) -> list[str]:
     """Why the host tier cannot serve this config (empty: it can)."""
     if not (config.kv_cache_store.host_blocks_factor > 0 or config.fastdeploy.swap_space):
         return []
-    flag = ("--host_blocks_factor" if config.kv_cache_store.host_blocks_factor > 0 else "--swap_space")
+    flag = host_tier_flag(config)
     out = []
     if not config.kv_cache.enable_prefix_cache:
         out.append(f"{flag}: the host tier keeps prefix-cache blocks (by hash): it needs --enable_prefix_cache")
