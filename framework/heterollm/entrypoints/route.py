@@ -1,6 +1,7 @@
 """`heterollm route`: the router in front of `heterollm serve` instances (service/router.py), under
 uvicorn on --host / --port. Instances come from etcd (--etcd_addr, --etcd_namespace), from HTTP
-registrations (instances started with --xservice_address pointing here), and from --instances."""
+registrations (instances started with --xservice_address pointing here), and from --instances,
+--prefill_instances and --decode_instances (prefill/decode disaggregation, service/disagg.py)."""
 from __future__ import annotations
 
 import logging
@@ -17,6 +18,11 @@ class RouteFlags(FlagGroup):
 
     instances: str = flag("", "Static instances, comma-separated http://host:port URLs, routed to besides those "
                               "registered in etcd or over HTTP.")
+    prefill_instances: str = flag("", "Static PREFILL instances (started with --instance_role PREFILL), "
+                                      "comma-separated http://host:port URLs: with DECODE ones, each request is "
+                                      "prefilled on one and decoded on the other.")
+    decode_instances: str = flag("", "Static DECODE instances (started with --instance_role DECODE), "
+                                     "comma-separated http://host:port URLs.")
     connect_timeout: float = flag(2.0, "Seconds to connect to an instance before trying another.", gt=0)
     request_timeout: float = flag(600.0, "Seconds to wait for an instance's next byte (for a non-streamed request, "
                                          "its whole answer) before answering 504.", gt=0)
@@ -26,17 +32,24 @@ def router_settings(loaded: LoadedConfig):
     from heterollm.service.router import RouterSettings, static_info
 
     dist, extra = loaded.config.distributed, loaded.extra
-    urls = tuple(u.strip() for u in extra["instances"].split(",") if u.strip())
-    for url in urls:
-        try:
-            static_info(url)
-        except ValueError as exc:
-            raise ConfigError(f"--instances: {exc}") from None
+    lists = {}
+    for name in ("instances", "prefill_instances", "decode_instances"):
+        lists[name] = tuple(u.strip() for u in extra[name].split(",") if u.strip())
+        for url in lists[name]:
+            try:
+                static_info(url)
+            except ValueError as exc:
+                raise ConfigError(f"--{name}: {exc}") from None
+    if loaded.config.pd.kv_push_dst_rotate:
+        raise ConfigError("--kv_push_dst_rotate: it spreads PUSH-mode KV transfers over decode workers; the router "
+                          "runs the PULL protocol (decode instances pull from prefill ones), so it would change "
+                          "nothing")
     if dist.xservice_address:
         raise ConfigError("--xservice_address: the router is the xservice endpoint itself (instances point their "
                           "--xservice_address at its --host:--port)")
     return RouterSettings(etcd_addr=dist.etcd_addr, etcd_namespace=dist.etcd_namespace,
-                          heart_beat_interval=dist.heart_beat_interval, etcd_ttl=float(dist.etcd_ttl), instances=urls,
+                          heart_beat_interval=dist.heart_beat_interval, etcd_ttl=float(dist.etcd_ttl), instances=lists["instances"],
+                          prefill_instances=lists["prefill_instances"], decode_instances=lists["decode_instances"],
                           connect_timeout=extra["connect_timeout"], request_timeout=extra["request_timeout"])
 
 
@@ -61,9 +74,10 @@ def run_route(loaded: LoadedConfig) -> int:
             etcd.close()
     router = Router(settings)
     sources = [f"etcd at {settings.etcd_addr} (namespace {settings.etcd_namespace!r})"] if settings.etcd_addr else []
-    sources += [f"{len(settings.instances)} static instance(s)"] if settings.instances else []
+    for urls, what in ((settings.instances, ""), (settings.prefill_instances, " PREFILL"),
+                       (settings.decode_instances, " DECODE")):
+        sources += [f"{len(urls)} static{what} instance(s)"] if urls else []
     sources.append(f"HTTP registrations at /XllmRpcService (instances' --xservice_address={host}:{port})")
     logger.info("routing on http://%s:%d; instances from %s", host, port, ", ".join(sources))
-    logger.info("PREFILL and DECODE instances are recorded but not routed to: PD disaggregation is not built")
     uvicorn.run(router.app, host=host, port=port, log_level="info", timeout_graceful_shutdown=10)
     return 0

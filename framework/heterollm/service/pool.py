@@ -1,9 +1,9 @@
 """The router's view of the instances (who is registered, their load, which are down) and the one
 class that decides where a request goes.
 
-PD disaggregation slots in at `RoutingPolicy.route`: a request will be prefilled on a PREFILL
-instance and streamed from a DECODE one (`Route.prefill` set). Until that lands, instances
-registered as PREFILL or DECODE are recorded and listed but never given a plain request."""
+A request is served whole by a DEFAULT or MIX instance, or, when the model has both PREFILL and
+DECODE instances, disaggregated (service/disagg.py): prefilled on the PREFILL instance the policy
+picks, then decoded and streamed from the DECODE one it picks."""
 from __future__ import annotations
 
 import logging
@@ -16,6 +16,7 @@ logger = logging.getLogger("heterollm.router")
 
 PLAIN_ROLES = ("DEFAULT", "MIX")
 """Roles that serve a whole request (prefill and decode) on their own."""
+ALL_ROLES = ("DEFAULT", "MIX", "PREFILL", "DECODE")
 
 
 @dataclass
@@ -56,8 +57,6 @@ class Instance:
 class Route:
     target: Instance
     """Where the request is sent and streamed from."""
-    prefill: Instance | None = None
-    """PD disaggregation (not built): the PREFILL instance that computes the prompt first."""
 
 
 class InstancePool:
@@ -70,9 +69,7 @@ class InstancePool:
     def add(self, info: InstanceInfo, source: str, expires_at: float | None = None) -> None:
         known = self.instances.get(info.name)
         if known is None or known.info.incarnation_id != info.incarnation_id:
-            logger.info("instance %s (%s, model %r) from %s%s", info.name, info.role, info.model, source,
-                        "" if info.role in PLAIN_ROLES else ": recorded, not routed to until PD disaggregation "
-                        "is built (only DEFAULT and MIX instances serve plain requests)")
+            logger.info("instance %s (%s, model %r) from %s", info.name, info.role, info.model, source)
             self.instances[info.name] = Instance(info, source, expires_at)
             return
         known.info, known.source, known.expires_at = info, source, expires_at
@@ -106,13 +103,26 @@ class InstancePool:
 
 
 class RoutingPolicy:
-    """Least loaded first: the plain-role instance with the lowest score, among those serving
+    """Least loaded first: the instance of the wanted roles with the lowest score, among those serving
     `model` (or not saying which model they serve) and not down or already tried."""
 
-    def route(self, pool: InstancePool, model: str | None, exclude: set[str]) -> Route | None:
+    def route(self, pool: InstancePool, model: str | None, exclude: set[str],
+              roles: tuple[str, ...] = PLAIN_ROLES) -> Route | None:
+        """Where a whole request goes (a DEFAULT or MIX instance unless `roles` says otherwise)."""
+        target = self.pick(pool, roles, model, exclude)
+        return None if target is None else Route(target)
+
+    def pick(self, pool: InstancePool, roles: tuple[str, ...], model: str | None, exclude: set[str]) -> Instance | None:
         now = time.monotonic()
-        candidates = [i for i in pool.live() if i.info.role in PLAIN_ROLES and i.name not in exclude
-                      and i.down_until <= now and (not model or not i.info.model or i.info.model == model)]
-        if not candidates:
-            return None
-        return Route(min(candidates, key=Instance.score))
+        candidates = [i for i in self.registered(pool, roles, model) if i.name not in exclude and i.down_until <= now]
+        return min(candidates, key=Instance.score) if candidates else None
+
+    def disaggregates(self, pool: InstancePool, model: str | None) -> bool:
+        """Requests for `model` run prefill and decode apart: it has PREFILL and DECODE instances."""
+        return bool(self.registered(pool, ("PREFILL",), model)) and bool(self.registered(pool, ("DECODE",), model))
+
+    @staticmethod
+    def registered(pool: InstancePool, roles: tuple[str, ...], model: str | None) -> list[Instance]:
+        """The live instances of `roles` serving `model`, down or not."""
+        return [i for i in pool.live() if i.info.role in roles
+                and (not model or not i.info.model or i.info.model == model)]

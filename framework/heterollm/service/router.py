@@ -3,9 +3,10 @@
 Instances come from etcd (polled every --heart_beat_interval under --etcd_namespace), from HTTP
 registrations (the router is the xservice endpoint that `serve --xservice_address` points at:
 POST /XllmRpcService/{Hello,RegisterInstance,Heartbeat,UnregisterInstance}), or from a static
---instances list. Each request goes where RoutingPolicy says; a connection that fails before any
-byte came back is tried on the next instance; with none left the answer is 503 with an OpenAI error
-body. Every outbound call has a timeout.
+--instances / --prefill_instances / --decode_instances lists. Each request goes where RoutingPolicy
+says: to a DEFAULT or MIX instance whole, or, when the model has PREFILL and DECODE instances, through
+both (service/disagg.py). A connection that fails before any byte came back is tried on the next
+instance; with none left the answer is 503 with an OpenAI error body. Every outbound call has a timeout.
 """
 from __future__ import annotations
 
@@ -20,24 +21,16 @@ from urllib.parse import urlsplit
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
+from heterollm.service.disagg import PDFlow
 from heterollm.service.etcd import EtcdClient, EtcdUnavailable
 from heterollm.service.instance import InstanceInfo, instances_prefix, is_instance_key, parse_load
-from heterollm.service.pool import InstancePool, Route, RoutingPolicy
+from heterollm.service.pool import ALL_ROLES, PLAIN_ROLES, InstancePool, Route, RoutingPolicy
+from heterollm.service.proxy import Proxied, error_response, passed_headers
 from heterollm.service.registrar import XSERVICE_PATH
 
 logger = logging.getLogger("heterollm.router")
-
-_HOP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
-                "proxy-connection", "accept-encoding"}
-
-
-def error_response(status: int, message: str) -> JSONResponse:
-    kind = {503: "service_unavailable", 502: "server_error", 504: "server_error"}.get(status, "invalid_request_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}},
-                        status_code=status)
-
 
 @dataclass
 class RouterSettings:
@@ -48,17 +41,21 @@ class RouterSettings:
     etcd_ttl: float = 3.0
     """An HTTP-registered instance is dropped this long after its last heartbeat."""
     instances: tuple[str, ...] = ()
-    """Static instance URLs (http://host:port)."""
+    """Static instance URLs (http://host:port) serving whole requests."""
+    prefill_instances: tuple[str, ...] = ()
+    """Static PREFILL instance URLs."""
+    decode_instances: tuple[str, ...] = ()
+    """Static DECODE instance URLs."""
     connect_timeout: float = 2.0
     request_timeout: float = 600.0
     """Longest wait for an instance's next byte (a non-streamed answer's whole generation)."""
 
 
-def static_info(url: str) -> InstanceInfo:
+def static_info(url: str, role: str = "DEFAULT") -> InstanceInfo:
     parts = urlsplit(url if "://" in url else f"http://{url}")
     if not parts.hostname or not parts.port:
         raise ValueError(f"{url!r} is not http://host:port")
-    return InstanceInfo(name=f"{parts.hostname}:{parts.port}")
+    return InstanceInfo(name=f"{parts.hostname}:{parts.port}", role=role)
 
 
 class EtcdPoller:
@@ -109,30 +106,16 @@ class EtcdPoller:
             self._stop.wait(self.settings.heart_beat_interval)
 
 
-class _Proxied(StreamingResponse):
-    """An instance's answer passed through as it arrives; the upstream response is closed and the
-    in-flight count released however the stream ends (the client may go away mid-stream)."""
-
-    def __init__(self, upstream: httpx.Response, release) -> None:
-        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
-        super().__init__(upstream.aiter_raw(), status_code=upstream.status_code, headers=headers)
-        self._upstream, self._release = upstream, release
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._upstream.aclose()
-            self._release()
-
-
 class Router:
     def __init__(self, settings: RouterSettings, policy: RoutingPolicy | None = None) -> None:
         self.settings = settings
         self.pool = InstancePool()
         self.policy = policy or RoutingPolicy()
-        for url in settings.instances:
-            self.pool.add(static_info(url), "static")
+        for urls, role in ((settings.instances, "DEFAULT"), (settings.prefill_instances, "PREFILL"),
+                           (settings.decode_instances, "DECODE")):
+            for url in urls:
+                self.pool.add(static_info(url, role), "static")
+        self.pd = PDFlow(self)
         self.poller: EtcdPoller | None = None
         self.client: httpx.AsyncClient | None = None
         self.app = self._build_app()
@@ -167,18 +150,25 @@ class Router:
         async def handler(request: Request) -> Response:
             body = await request.body()
             try:
-                model = json.loads(body).get("model") if body else None
-            except (json.JSONDecodeError, AttributeError):
-                model = None  # the instance answers the malformed body with its own 400
-            return await self.forward(request, "POST", path, body, model if isinstance(model, str) else None)
+                fields = json.loads(body) if body else None
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                fields = None  # the instance answers the malformed body with its own 400
+            model = fields.get("model") if isinstance(fields, dict) else None
+            model = model if isinstance(model, str) else None
+            if self.policy.disaggregates(self.pool, model):
+                if not isinstance(fields, dict):
+                    return error_response(400, "the request body must be a JSON object")
+                return await self.pd.run(path, fields, passed_headers(request.headers), model)
+            return await self.forward(request, "POST", path, body, model)
         return handler
 
     async def forward(self, request: Request, method: str, path: str, body: bytes = b"",
-                      model: str | None = None) -> Response:
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+                      model: str | None = None, roles: tuple[str, ...] | None = None) -> Response:
+        """To the least loaded instance serving whole requests (or of `roles`), the next on a failed connection."""
+        headers = passed_headers(request.headers)
         tried: set[str] = set()
         while True:
-            route = self.policy.route(self.pool, model, tried)
+            route = self.policy.route(self.pool, model, tried, roles or PLAIN_ROLES)
             if route is None:
                 return self._none_left(model, tried)
             tried.add(route.target.name)
@@ -212,21 +202,26 @@ class Router:
         except httpx.HTTPError as exc:
             release()
             return error_response(502, f"instance {target.name} failed: {type(exc).__name__}: {exc}")
-        return _Proxied(upstream, release)
+        return Proxied(upstream, release)
 
     def _none_left(self, model: str | None, tried: set[str]) -> JSONResponse:
         if tried:
             why = f"every instance that could serve it failed to connect ({', '.join(sorted(tried))})"
+        elif self.policy.registered(self.pool, ("PREFILL", "DECODE"), model):
+            have = "PREFILL" if self.policy.registered(self.pool, ("PREFILL",), model) else "DECODE"
+            why = (f"only {have} instances are registered" + (f" for model {model!r}" if model else "") +
+                   f": disaggregated serving needs a {'DECODE' if have == 'PREFILL' else 'PREFILL'} one too, and "
+                   f"no DEFAULT or MIX instance serves whole requests")
         else:
             why = "no instance is registered" + (f" for model {model!r}" if model else "")
         return error_response(503, f"no instance available: {why}")
 
     # -- small routes --------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
-        return await self.forward(request, "GET", "/v1/models")
+        return await self.forward(request, "GET", "/v1/models", roles=ALL_ROLES)
 
     async def health(self) -> Response:
-        if self.policy.route(self.pool, None, set()) is None:
+        if self.policy.route(self.pool, None, set()) is None and not self.policy.disaggregates(self.pool, None):
             return error_response(503, "no instance available")
         return Response(status_code=200)
 

@@ -1,0 +1,238 @@
+"""The router's side of prefill/decode disaggregation (the PULL protocol; README "Disaggregated serving").
+
+One client request, when its model has PREFILL and DECODE instances:
+1. the least loaded PREFILL instance P computes the prompt: the client's body with stream false,
+   max_tokens 1 (chat: max_completion_tokens 1 too), n 1, no stream_options and
+   `"kv_transfer_params": {"do_remote_decode": true}`; P answers with a top-level `kv_transfer_params`;
+2. the least loaded DECODE instance D gets the client's own body plus P's `kv_transfer_params` as they
+   came, pulls the KV cache from P and generates; its answer (streamed as the client asked) is the
+   client's answer;
+3. after D's answer ends, P is told to release the blocks (POST /v1/kv_transfer/release, best effort).
+
+P that cannot be reached: another P. D that cannot be reached: another D (P's params hold until
+released). D that could not pull the KV cache (502 kv_transfer_failed, or that error as a stream's
+first event): the whole flow once more on another P when there is one, else that error is the answer.
+Every call has a timeout (--connect_timeout, --request_timeout; RELEASE_TIMEOUT_S for a release).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from fastapi.responses import Response
+
+from heterollm.service.proxy import Proxied, error_response, whole_answer
+
+if TYPE_CHECKING:
+    from heterollm.service.pool import Instance
+    from heterollm.service.router import Router
+
+logger = logging.getLogger("heterollm.router")
+
+KV_TRANSFER_FAILED = "kv_transfer_failed"
+RELEASE_TIMEOUT_S = 5.0
+
+
+def prefill_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """What P computes: the prompt and one token, not streamed, its KV cache kept for a DECODE instance."""
+    out = {k: v for k, v in body.items() if k != "stream_options"}
+    out.update(stream=False, max_tokens=1, n=1, kv_transfer_params={"do_remote_decode": True})
+    if chat:
+        out["max_completion_tokens"] = 1
+    return out
+
+
+def decode_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    return {**body, "kv_transfer_params": params}
+
+
+def is_transfer_failure(data: bytes) -> bool:
+    """`data` (a JSON error body, or SSE events starting with one) is D's kv_transfer_failed error."""
+    text = data.decode("utf-8", "replace").strip()
+    if text.startswith("data:"):
+        text = text.split("\n", 1)[0][len("data:"):].strip()
+    try:
+        error = json.loads(text).get("error")
+    except (json.JSONDecodeError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("type") == KV_TRANSFER_FAILED
+
+
+@dataclass
+class _Failed:
+    """D could not pull the KV cache; `response` is its answer, passed on when no retry is left."""
+
+    response: Response
+
+
+class PDFlow:
+    """Runs the three steps for one request at a time; the router owns the client, pool and policy."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self._releases: set[asyncio.Task] = set()
+
+    async def run(self, path: str, body: dict[str, Any], headers: dict[str, str], model: str | None) -> Response:
+        tried: set[str] = set()
+        retried = False
+        while True:
+            prefill = await self._prefill(path, body, headers, model, tried)
+            if isinstance(prefill, Response):
+                return prefill
+            p, params = prefill
+            answer = await self._decode(path, body, headers, model, p, params)
+            if not isinstance(answer, _Failed):
+                return answer
+            tried.add(p.name)
+            other = self.router.policy.pick(self.router.pool, ("PREFILL",), model, tried)
+            if retried or other is None:
+                return answer.response
+            logger.warning("decode could not pull the KV cache of %s; the request runs again on another "
+                           "PREFILL instance", p.name)
+            retried = True
+
+    # -- step 1 ----------------------------------------------------------------------------------
+    async def _prefill(self, path: str, body: dict[str, Any], headers: dict[str, str], model: str | None,
+                       tried: set[str]) -> tuple[Instance, dict[str, Any]] | Response:
+        router = self.router
+        payload = prefill_body(body, path.endswith("/chat/completions"))
+        while True:
+            p = router.policy.pick(router.pool, ("PREFILL",), model, tried)
+            if p is None:
+                return error_response(503, "no instance available: no PREFILL instance" +
+                                      (f" left (failed: {', '.join(sorted(tried))})" if tried else ""))
+            p.in_flight += 1
+            try:
+                r = await router.client.post(p.url + path, json=payload, headers=headers)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                self._down(p, exc)
+                tried.add(p.name)
+                continue
+            except httpx.TimeoutException:
+                return error_response(504, f"PREFILL instance {p.name} did not answer within "
+                                           f"{router.settings.request_timeout}s")
+            except httpx.HTTPError as exc:
+                return error_response(502, f"PREFILL instance {p.name} failed: {type(exc).__name__}: {exc}")
+            finally:
+                p.in_flight -= 1
+            if r.status_code != 200:  # the client's request is at fault (400 ...), or P is: passed on
+                return whole_answer(r.content, r.status_code, r.headers)
+            params = _json(r.content).get("kv_transfer_params")
+            if not isinstance(params, dict):
+                return error_response(502, f"PREFILL instance {p.name} answered without kv_transfer_params "
+                                           f"(is it started with --instance_role PREFILL?)")
+            return p, params
+
+    # -- steps 2 and 3 ---------------------------------------------------------------------------
+    async def _decode(self, path: str, body: dict[str, Any], headers: dict[str, str], model: str | None,
+                      p: Instance, params: dict[str, Any]) -> Response | _Failed:
+        router = self.router
+        payload = decode_body(body, params)
+        tried: set[str] = set()
+        while True:
+            d = router.policy.pick(router.pool, ("DECODE",), model, tried)
+            if d is None:
+                self.release(p, params)
+                return error_response(503, "no instance available: no DECODE instance" +
+                                      (f" left (failed: {', '.join(sorted(tried))})" if tried else ""))
+            d.in_flight += 1
+            request = router.client.build_request("POST", d.url + path, json=payload, headers=headers)
+            upstream = None
+            try:
+                upstream = await router.client.send(request, stream=True)
+                rest = upstream.aiter_raw()
+                first = await _first_event(rest) if body.get("stream") and upstream.status_code == 200 else b""
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                d.in_flight -= 1
+                self._down(d, exc)
+                tried.add(d.name)
+                continue
+            except httpx.HTTPError as exc:
+                d.in_flight -= 1
+                self.release(p, params)
+                if upstream is not None:
+                    await upstream.aclose()
+                if isinstance(exc, httpx.TimeoutException):
+                    return error_response(504, f"DECODE instance {d.name} did not answer within "
+                                               f"{router.settings.request_timeout}s")
+                return error_response(502, f"DECODE instance {d.name} failed: {type(exc).__name__}: {exc}")
+            if first and not is_transfer_failure(first):
+                def done(d: Instance = d) -> None:
+                    d.in_flight -= 1
+                    self.release(p, params)
+                return Proxied(upstream, done, _chain(first, rest))
+            return await self._whole(upstream, first, rest, d, p, params)
+
+    async def _whole(self, upstream: httpx.Response, first: bytes, rest: AsyncIterator[bytes], d: Instance,
+                     p: Instance, params: dict[str, Any]) -> Response | _Failed:
+        """D's whole answer (not streamed, an error, or a stream that is only the failure)."""
+        try:
+            content = first + b"".join([chunk async for chunk in rest])
+        except httpx.HTTPError as exc:
+            return error_response(502, f"DECODE instance {d.name} failed: {type(exc).__name__}: {exc}")
+        finally:
+            await upstream.aclose()
+            d.in_flight -= 1
+            self.release(p, params)
+        answer = whole_answer(content, upstream.status_code, upstream.headers, raw=True)
+        if (upstream.status_code == 502 or first) and is_transfer_failure(content):
+            return _Failed(answer)
+        return answer
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _down(self, instance: Instance, exc: Exception) -> None:
+        settings = self.router.settings
+        instance.down_until = time.monotonic() + max(1.0, 2 * settings.heart_beat_interval)
+        logger.warning("%s instance %s unreachable (%s); trying another", instance.info.role, instance.name,
+                       type(exc).__name__)
+
+    def release(self, p: Instance, params: dict[str, Any]) -> None:
+        """Tell P to drop the request's blocks, in the background (best effort)."""
+        request_id = params.get("remote_request_id")
+        if not isinstance(request_id, str):
+            return
+        task = asyncio.get_running_loop().create_task(self._release(p, request_id))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release(self, p: Instance, request_id: str) -> None:
+        try:
+            r = await self.router.client.post(p.url + "/v1/kv_transfer/release", json={"remote_request_id": request_id},
+                                              timeout=RELEASE_TIMEOUT_S)
+            if r.status_code != 200:
+                logger.warning("release of %s on %s answered %d", request_id, p.name, r.status_code)
+        except httpx.HTTPError as exc:
+            logger.warning("release of %s on %s failed (%s); it frees the blocks after its hold timeout",
+                           request_id, p.name, type(exc).__name__)
+
+
+async def _first_event(stream: AsyncIterator[bytes]) -> bytes:
+    """The bytes up to the end of the stream's first event (or all of it, when it ends before); the
+    rest stays in `stream`."""
+    buf = b""
+    async for chunk in stream:
+        buf += chunk
+        if b"\n\n" in buf:
+            break
+    return buf
+
+
+async def _chain(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield first
+    async for chunk in rest:
+        yield chunk
+
+
+def _json(content: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(content)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+

@@ -1,0 +1,231 @@
+"""`heterollm route`'s prefill/decode flow (service/disagg.py) against fake PREFILL and DECODE apps
+that record what they are sent: the two requests' bodies, the stream passed through, the release on
+P, another P or D when one cannot be reached, a failed KV pull retried once on another P then passed
+on, 503 at once without a P or a D, and whole requests still served by MIX instances."""
+from __future__ import annotations
+
+import json
+import time
+from contextlib import ExitStack
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from heterollm.service.instance import InstanceInfo
+from heterollm.service.pool import InstancePool, RoutingPolicy
+from heterollm.service.router import Router, RouterSettings
+
+from .conftest import free_port, running_app, wait_for
+
+COMPLETION = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0,
+        "stream": True, "stream_options": {"include_usage": True}}
+FAILED = {"error": {"message": "pulling the prompt's KV failed: P is gone", "type": "kv_transfer_failed",
+                    "param": "kv_transfer_params", "code": 502}}
+
+
+class FakePrefill:
+    """Answers one token and the kv_transfer_params of the protocol; records bodies and releases."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.bodies, self.released = name, [], []
+        self.app = FastAPI()
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            self.app.add_api_route(path, self.prefill, methods=["POST"])
+        self.app.add_api_route("/v1/kv_transfer/release", self.release, methods=["POST"])
+
+    async def prefill(self, request: Request) -> JSONResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        params = {"do_remote_prefill": True, "remote_request_id": f"{self.name}-{len(self.bodies)}",
+                  "remote_engine_id": self.name, "remote_ranks": [0], "remote_block_ids": [[1, 2]],
+                  "prompt_token_ids": [1, 2, 3], "first_token_id": 7, "block_size": 8}
+        return JSONResponse({"id": "cmpl-p", "object": "text_completion", "choices": [{"index": 0, "text": "x"}],
+                             "kv_transfer_params": params})
+
+    async def release(self, request: Request) -> JSONResponse:
+        self.released.append((await request.json())["remote_request_id"])
+        return JSONResponse({"released": True})
+
+
+class FakeDecode:
+    """The whole answer (streamed when asked); `failures` first answers are a failed KV pull."""
+
+    def __init__(self, failures: int = 0) -> None:
+        self.bodies, self.failures = [], failures
+        self.app = FastAPI()
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            self.app.add_api_route(path, self.decode, methods=["POST"])
+
+    @staticmethod
+    def events(body: dict) -> list[str]:
+        source = body["kv_transfer_params"]["remote_engine_id"]
+        return [json.dumps({"choices": [{"index": 0, "delta": {"content": f"from {source} {i}"}}]}) for i in range(3)]
+
+    async def decode(self, request: Request):
+        body = await request.json()
+        self.bodies.append(body)
+        failed = len(self.bodies) <= self.failures
+        if body.get("stream"):
+            events = [json.dumps(FAILED)] if failed else self.events(body)
+
+            async def sse():
+                for event in events + ["[DONE]"]:
+                    yield f"data: {event}\n\n"
+            return StreamingResponse(sse(), media_type="text/event-stream")
+        if failed:
+            return JSONResponse(FAILED, status_code=502)
+        return JSONResponse({"id": "cmpl-d", "choices": [{"index": 0, "text": "decoded"}],
+                             "usage": {"completion_tokens": 8}})
+
+
+def _dead() -> str:
+    return f"http://127.0.0.1:{free_port()}"
+
+
+def _router(stack: ExitStack, prefill=(), decode=(), plain=()) -> str:
+    settings = RouterSettings(prefill_instances=tuple(prefill), decode_instances=tuple(decode),
+                              instances=tuple(plain), request_timeout=20)
+    return stack.enter_context(running_app(Router(settings).app))
+
+
+def _serve(stack: ExitStack, *fakes) -> list[str]:
+    return [stack.enter_context(running_app(f.app)) for f in fakes]
+
+
+def _events(r: httpx.Response) -> list[str]:
+    return [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def test_prefill_then_decode_bodies_and_release():
+    p, d = FakePrefill("p"), FakeDecode()
+    with ExitStack() as stack:
+        p_url, d_url = _serve(stack, p, d)
+        router = _router(stack, [p_url], [d_url])
+        r = httpx.post(router + "/v1/completions", json={**COMPLETION, "n": 1, "stream": False}, timeout=20)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decoded"
+        assert p.bodies == [{**COMPLETION, "n": 1, "stream": False, "max_tokens": 1,
+                             "kv_transfer_params": {"do_remote_decode": True}}]
+        assert "max_completion_tokens" not in p.bodies[0]
+        p_params = {"do_remote_prefill": True, "remote_request_id": "p-1", "remote_engine_id": "p",
+                    "remote_ranks": [0], "remote_block_ids": [[1, 2]], "prompt_token_ids": [1, 2, 3],
+                    "first_token_id": 7, "block_size": 8}
+        assert d.bodies == [{**COMPLETION, "n": 1, "stream": False, "kv_transfer_params": p_params}]
+        wait_for(lambda: p.released == ["p-1"], 5, "P was not told to release the blocks")
+
+
+def test_stream_passes_through_and_chat_prefill_asks_one_token():
+    p, d = FakePrefill("p"), FakeDecode()
+    with ExitStack() as stack:
+        p_url, d_url = _serve(stack, p, d)
+        router = _router(stack, [p_url], [d_url])
+        with httpx.stream("POST", router + "/v1/chat/completions", json=CHAT, timeout=20) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            events = _events(r)
+        assert events == FakeDecode.events(d.bodies[0]) + ["[DONE]"]
+        sent = p.bodies[0]
+        assert sent["stream"] is False and sent["max_tokens"] == 1 and sent["max_completion_tokens"] == 1
+        assert "stream_options" not in sent and sent["n"] == 1
+        assert d.bodies[0]["stream"] is True and d.bodies[0]["stream_options"] == {"include_usage": True}
+        wait_for(lambda: p.released == ["p-1"], 5, "no release after the stream")
+
+
+def test_a_dead_prefill_or_decode_instance_is_skipped():
+    p, d = FakePrefill("p"), FakeDecode()
+    with ExitStack() as stack:
+        p_url, d_url = _serve(stack, p, d)
+        router = _router(stack, [_dead(), p_url], [_dead(), d_url])
+        start = time.monotonic()
+        r = httpx.post(router + "/v1/completions", json=COMPLETION, timeout=20)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decoded"
+        assert time.monotonic() - start < 10
+        assert len(p.bodies) == 1 and len(d.bodies) == 1
+        listed = {i["name"]: i["in_flight"] for i in httpx.get(router + "/instances").json()["instances"]}
+        assert set(listed.values()) == {0}  # every in-flight count went back
+
+
+def test_failed_pull_runs_again_on_another_prefill_instance():
+    p1, p2, d = FakePrefill("p1"), FakePrefill("p2"), FakeDecode(failures=1)
+    with ExitStack() as stack:
+        p1_url, p2_url, d_url = _serve(stack, p1, p2, d)
+        router = _router(stack, [p1_url, p2_url], [d_url])
+        r = httpx.post(router + "/v1/completions", json=COMPLETION, timeout=20)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decoded"
+        assert [b["kv_transfer_params"]["remote_engine_id"] for b in d.bodies] == ["p1", "p2"]
+        wait_for(lambda: p1.released == ["p1-1"] and p2.released == ["p2-1"], 5, "not both released")
+
+
+def test_failed_pull_twice_is_the_answer_streamed_or_not():
+    p1, p2, d = FakePrefill("p1"), FakePrefill("p2"), FakeDecode(failures=100)
+    with ExitStack() as stack:
+        p1_url, p2_url, d_url = _serve(stack, p1, p2, d)
+        router = _router(stack, [p1_url, p2_url], [d_url])
+        r = httpx.post(router + "/v1/completions", json=COMPLETION, timeout=20)
+        assert r.status_code == 502 and r.json() == FAILED
+        assert len(d.bodies) == 2  # the flow ran once more, on the other P, and no more
+        with httpx.stream("POST", router + "/v1/chat/completions", json=CHAT, timeout=20) as r:
+            assert r.status_code == 200
+            events = _events(r)
+        assert [json.loads(events[0]), events[1:]] == [FAILED, ["[DONE]"]]
+        assert len(d.bodies) == 4
+        wait_for(lambda: len(p1.released) == 2 and len(p2.released) == 2, 5, "not every prefill released")
+
+
+def test_failed_pull_with_one_prefill_instance_is_passed_on():
+    p, d = FakePrefill("p"), FakeDecode(failures=100)
+    with ExitStack() as stack:
+        p_url, d_url = _serve(stack, p, d)
+        router = _router(stack, [p_url], [d_url])
+        r = httpx.post(router + "/v1/completions", json=COMPLETION, timeout=20)
+        assert r.status_code == 502 and r.json()["error"]["type"] == "kv_transfer_failed"
+        assert len(p.bodies) == 1 and len(d.bodies) == 1
+
+
+def test_no_prefill_or_no_decode_is_503_at_once():
+    p, d = FakePrefill("p"), FakeDecode()
+    with ExitStack() as stack:
+        p_url, d_url = _serve(stack, p, d)
+        for prefill, decode, words in (([], [d_url], "only DECODE instances"), ([p_url], [], "only PREFILL instances"),
+                                       ([_dead()], [d_url], "no PREFILL instance left"),
+                                       ([p_url], [_dead()], "no DECODE instance left")):
+            router = _router(stack, prefill, decode)
+            start = time.monotonic()
+            r = httpx.post(router + "/v1/completions", json=COMPLETION, timeout=10)
+            assert time.monotonic() - start < 5
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["type"] == "service_unavailable" and words in r.json()["error"]["message"]
+        assert d.bodies == []
+        wait_for(lambda: p.released == ["p-1"], 5, "a prefill without a decode instance was not released")
+
+
+def test_mix_instances_serve_whole_requests_without_a_pair():
+    mix, p = FakeDecode(), FakePrefill("p")  # FakeDecode as a whole-request instance: it answers "decoded"
+    with ExitStack() as stack:
+        mix_url, p_url = _serve(stack, mix, p)
+        router = _router(stack, [p_url], [], [mix_url])
+        body = {**COMPLETION, "kv_transfer_params": {"remote_engine_id": "client"}}
+        r = httpx.post(router + "/v1/completions", json=body, timeout=10)
+        assert r.status_code == 200 and mix.bodies == [body] and p.bodies == []
+
+
+def test_policy_disaggregates_only_with_both_roles():
+    pool, policy = InstancePool(), RoutingPolicy()
+    pool.add(InstanceInfo(name="p:1", role="PREFILL", model="m"), "etcd")
+    assert not policy.disaggregates(pool, "m")
+    pool.add(InstanceInfo(name="d:1", role="DECODE", model="other"), "etcd")
+    assert not policy.disaggregates(pool, "m") and not policy.disaggregates(pool, "other")
+    pool.add(InstanceInfo(name="d:2", role="DECODE", model="m"), "etcd")
+    assert policy.disaggregates(pool, "m") and policy.disaggregates(pool, None)
+    pool.add(InstanceInfo(name="p:2", role="PREFILL", model="m"), "etcd")
+    pool.instances["p:1"].in_flight = 2
+    assert policy.pick(pool, ("PREFILL",), "m", set()).name == "p:2"
+    assert policy.route(pool, "m", set()) is None  # no DEFAULT or MIX instance
+
+
+def test_route_refuses_kv_push_dst_rotate(cli):
+    r = cli("route", "--kv_push_dst_rotate=true", f"--port={free_port()}", timeout=60)
+    assert r.rc == 2 and "Traceback" not in r.err
+    assert r.err.strip().splitlines()[-1].startswith("heterollm: error: --kv_push_dst_rotate: ")
+    r = cli("route", "--prefill_instances=localhost", timeout=60)
+    assert r.rc == 2 and r.err.strip().endswith("--prefill_instances: 'localhost' is not http://host:port")
