@@ -52,6 +52,8 @@ _SHARED = {  # the same tests cover both routes
     "min_tokens": ["server/test_sampling_fields_api.py::test_min_tokens_masks_eos_on_both_routes"],
     "truncate_prompt_tokens": ["server/test_sampling_fields_api.py::test_truncate_prompt_tokens_on_both_routes"],
     "response_format": ["server/test_structured_api.py::test_streamed_text_equals_the_whole_answer"],
+    "kv_transfer_params": ["server/test_kv_transfer_api.py::test_kv_transfer_params_prefill_then_decode_streamed_or_not",
+                           "server/test_kv_transfer_api.py::test_refusals_name_the_field"],
 }
 EXERCISED: dict[str, dict[str, list[str]]] = {
     # route -> field -> tests ("file under tests/::function") that exercise it on that route
@@ -122,7 +124,6 @@ PLAUSIBLE = {
     "prompt_embeds": ["AAAAAA=="],
     "logits_processors": ["my_package.MyLogitsProcessor"],
     "cache_salt": "kH3b9c0dZq1s8fV2nLx7uTq4YpR6wAe5jMiNoP0Gk1E",
-    "kv_transfer_params": {"do_remote_decode": True},
     "vllm_xargs": {"my_extension_arg": 1},
     "max_repetition_pattern_size": 8,
     "min_repetition_pattern_size": 2,

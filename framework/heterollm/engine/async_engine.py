@@ -125,9 +125,11 @@ class AsyncEngine:
                   prompt_token_ids: list[int] | None = None, first_output_timeout: float | None = None,
                   priority: int = 0, ttft_slo_ms: int | None = None,
                   pooling: PoolingParams | None = None,
-                  mm_items: list[MultiModalItem] | None = None) -> RequestStream:
+                  mm_items: list[MultiModalItem] | None = None,
+                  kv_transfer_params: dict[str, Any] | None = None) -> RequestStream:
         """Admit the request; its outputs then come from the returned stream. `mm_items`: its images,
-        preprocessed, with `prompt_token_ids` already expanded (LLMEngine.add_request).
+        preprocessed, with `prompt_token_ids` already expanded; `kv_transfer_params`: prefill/decode
+        disaggregation (both as LLMEngine.add_request takes them).
 
         Raises RequestRejected when the engine refuses the request (nothing is admitted then).
         The stream raises RequestRejected (status 503) when `first_output_timeout` seconds pass
@@ -143,7 +145,7 @@ class AsyncEngine:
         stream = _Stream(loop, asyncio.Queue())
         try:
             self._submit(("add", (prompt, params, request_id, prompt_token_ids, priority, ttft_slo_ms, pooling,
-                                  mm_items), admitted, stream))
+                                  mm_items, kv_transfer_params), admitted, stream))
         except EngineError:
             self._unload(request_id)
             raise
@@ -254,7 +256,7 @@ class AsyncEngine:
 
     def _apply(self, kind: str, payload: Any, admitted: Any, stream: Any) -> None:
         if kind == "add":
-            prompt, params, request_id, ids, priority, ttft_slo_ms, pooling, mm_items = payload
+            prompt, params, request_id, ids, priority, ttft_slo_ms, pooling, mm_items, kv_params = payload
             if self._closed:  # the final drain: nothing will run it
                 self._unload(request_id)
                 stream.loop.call_soon_threadsafe(_settle, admitted, self._not_running())
@@ -262,7 +264,7 @@ class AsyncEngine:
             try:
                 self.engine.add_request(prompt, params, request_id=request_id, prompt_token_ids=ids,
                                         priority=priority, ttft_slo_ms=ttft_slo_ms, pooling=pooling,
-                                        mm_items=mm_items)
+                                        mm_items=mm_items, kv_transfer_params=kv_params)
             except Exception as exc:  # RequestRejected and anything a bad prompt provokes
                 if not isinstance(exc, RequestRejected):
                     logger.exception("admitting request %s failed", request_id)

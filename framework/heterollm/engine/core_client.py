@@ -217,13 +217,14 @@ class EngineCoreClient:
                   prompt_token_ids: list[int] | None = None, first_output_timeout: float | None = None,
                   priority: int = 0, ttft_slo_ms: int | None = None,
                   pooling: PoolingParams | None = None,
-                  mm_items: list[MultiModalItem] | None = None) -> RequestStream:
+                  mm_items: list[MultiModalItem] | None = None,
+                  kv_transfer_params: dict[str, Any] | None = None) -> RequestStream:
         """As AsyncEngine.add: admit the request in the core; its outputs come from the stream."""
         if not self.alive:
             raise self._not_running()
         msg = ipc.Add(request_id, prompt, prompt_token_ids, ipc.params_to_wire(params), priority, ttft_slo_ms,
                       msgspec.to_builtins(pooling) if pooling is not None else None,
-                      [item.to_wire() for item in mm_items] if mm_items else None)
+                      [item.to_wire() for item in mm_items] if mm_items else None, kv_transfer_params)
         loop = asyncio.get_running_loop()
         admitted = loop.create_future()
         stream = _Stream(loop, asyncio.Queue())

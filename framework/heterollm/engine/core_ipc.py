@@ -34,6 +34,8 @@ class Add(msgspec.Struct, tag=True):
     pooling: dict[str, Any] | None = None
     mm_items: list[dict[str, Any]] | None = None
     """The prompt's images, preprocessed (MultiModalItem.to_wire: pixels as raw float32 bytes)."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """Prefill/decode disaggregation: LLMEngine.add_request's, as the request gave it."""
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -254,7 +256,8 @@ def output_from_wire(data: dict[str, Any]) -> RequestOutput:
         c["logprobs"] = _logprobs(c.get("logprobs"))
         completions.append(CompletionOutput(**_init_fields(CompletionOutput, c)))
     pooled = data.get("pooled")
-    return RequestOutput(data["request_id"], data["prompt"], data["prompt_token_ids"], completions, data["finished"],
-                         RequestMetrics(**_init_fields(RequestMetrics, data["metrics"])),
-                         _logprobs(data.get("prompt_logprobs")),
-                         None if pooled is None else torch.tensor(pooled, dtype=torch.float32))
+    fields = _init_fields(RequestOutput, data)  # every field the engine set (kv_transfer_params, error, ...)
+    fields.update(outputs=completions, metrics=RequestMetrics(**_init_fields(RequestMetrics, data["metrics"])),
+                  prompt_logprobs=_logprobs(data.get("prompt_logprobs")),
+                  pooled=None if pooled is None else torch.tensor(pooled, dtype=torch.float32))
+    return RequestOutput(**fields)

@@ -36,6 +36,7 @@ UTILITIES: dict[str, Callable[..., Any]] = {
     "update_weights": lambda engine, update: engine.update_weights(WeightUpdate(**update)),
     "start_profile": lambda engine: engine.start_profile(),
     "stop_profile": lambda engine: engine.stop_profile(),
+    "release_kv": lambda engine, remote_request_id: engine.release_kv(remote_request_id),
 }
 """The admin methods the API server may call (Utility messages), by name."""
 
@@ -224,7 +225,7 @@ class EngineCore:
             self.engine.add_request(msg.prompt, params, request_id=msg.request_id,
                                     prompt_token_ids=msg.prompt_token_ids, priority=msg.priority,
                                     ttft_slo_ms=msg.ttft_slo_ms, pooling=ipc.pooling_from_wire(msg.pooling),
-                                    mm_items=items)
+                                    mm_items=items, kv_transfer_params=msg.kv_transfer_params)
         except Exception as exc:  # RequestRejected, and anything a bad prompt provokes
             if not isinstance(exc, RequestRejected):
                 logger.exception("admitting request %s failed", msg.request_id)

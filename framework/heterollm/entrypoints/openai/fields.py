@@ -44,8 +44,6 @@ REFUSED: dict[str, Refused] = {
         "the detokenizer decodes with the tokenizer's own spacing", (None, True)),
     "logits_processors": Refused("loading Python logits processors named by a request is not implemented", (None, [])),
     "cache_salt": Refused("the prefix cache's hash chain takes no per-request key, so it cannot be salted"),
-    "kv_transfer_params": Refused("there is no disaggregated prefill: KV caches are not transferred between "
-                                  "instances", (None, {})),
     "vllm_xargs": Refused("no extension reads custom request arguments", (None, {})),
     "max_repetition_pattern_size": Refused(_REPETITION, (None, 0)),
     "min_repetition_pattern_size": Refused(_REPETITION, (None, 0)),
@@ -196,6 +194,13 @@ WORKS: dict[str, dict[str, str]] = {
                                     "text-only model: 400"},
     "include_reasoning": {"chat": "vLLM's: with --reasoning_parser, false leaves reasoning_content out (without the "
                                   "parser false is a 400)"},
+    "kv_transfer_params": {"both": "prefill/decode disaggregation (docs: README \"Disaggregated serving\"), set by "
+                                   "`heterollm route`: {\"do_remote_decode\": true} on a PREFILL instance answers "
+                                   "with a top-level kv_transfer_params for the DECODE instance and keeps the KV "
+                                   "blocks until POST /v1/kv_transfer/release; a DECODE instance takes that object "
+                                   "and pulls the KV cache instead of computing the prompt (a failed pull: 502 "
+                                   "kv_transfer_failed, or that error as the first event of a stream); one prompt "
+                                   "only, not with use_beam_search; a value the instance cannot serve: 400 naming it"},
     "prompt_cache_key": {"chat": "with --dp_size > 1 replicas, requests with the same key go to the same replica, so "
                                  "they share its prefix cache; with one engine the prefix cache already matches every "
                                  "request's prefix (under attention data parallelism the engine sends a prompt to the "

@@ -158,6 +158,8 @@ class _RuleFields(_Body):
     request_id: str | None = None
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """Prefill/decode disaggregation (entrypoints/openai/disagg.py): passed to the engine as it is."""
 
 
 class _CompletionRuleFields(_RuleFields):

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from heterollm.engine.async_engine import RequestStream
+from heterollm.entrypoints.openai.disagg import check_output
 from heterollm.engine.outputs import RequestOutput
 from heterollm.interfaces import TokenLogprobs
 
@@ -121,9 +122,11 @@ class ResponseBuilder:
                     choice.update(prompt_token_ids=list(out.prompt_token_ids), token_ids=list(c.token_ids))
                 choice["prompt_logprobs"] = self._vllm_prompt_logprobs(out)
                 choices.append(choice)
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": choices,
-                "usage": self._usage(prompt_tokens, completion_tokens, sum(o.metrics.num_cached_tokens for o in outs))}
+        response = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                    "choices": choices,
+                    "usage": self._usage(prompt_tokens, completion_tokens,
+                                         sum(o.metrics.num_cached_tokens for o in outs))}
+        return _with_transfer_params(response, outs)
 
     def chat_response(self, out: RequestOutput) -> dict[str, Any]:
         choices, completion_tokens = [], 0
@@ -143,7 +146,7 @@ class ResponseBuilder:
         if self.token_ids:
             response["prompt_token_ids"] = list(out.prompt_token_ids)
         response["prompt_logprobs"] = self._vllm_prompt_logprobs(out)
-        return response
+        return _with_transfer_params(response, [out])
 
     def _message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """A whole chat choice's message and finish_reason ("tool_calls" when it called tools and stopped)."""
@@ -191,6 +194,7 @@ class ResponseBuilder:
     async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         if len(self.streams) == 1:
             async for out in self.streams[0]:
+                check_output(out)
                 yield 0, out
             return
         q: asyncio.Queue = asyncio.Queue()
@@ -214,6 +218,7 @@ class ResponseBuilder:
                 elif isinstance(item, BaseException):
                     raise item
                 else:
+                    check_output(item)
                     yield i, item
         finally:
             for t in tasks:
@@ -325,3 +330,11 @@ class ResponseBuilder:
                 s.close()
         if include_usage:
             yield self._chunk("chat.completion.chunk", [], self._usage(prompt_tokens, sum(generated.values()), cached))
+
+
+def _with_transfer_params(response: dict[str, Any], outs: list[RequestOutput]) -> dict[str, Any]:
+    """A prefill instance's answer carries the decode instance's kv_transfer_params at the top level."""
+    params = [o.kv_transfer_params for o in outs if o.kv_transfer_params is not None]
+    if params:
+        response["kv_transfer_params"] = params[0]
+    return response

@@ -37,6 +37,8 @@ from heterollm.multimodal import MultiModalItem
 from heterollm.multimodal.processor import pixel_kwargs, split_images
 from heterollm.scheduler.request import RequestRejected
 from heterollm.entrypoints.openai.beam_search import FinishedStream, run_beam_search_request
+from heterollm.entrypoints.openai.disagg import (KVTransferFailed, KVTransferRoutes, check_output, failed_events,
+                                                 first_outputs, transfer_params)
 from heterollm.entrypoints.openai.metrics import ServerMetrics
 from heterollm.entrypoints.openai.pooling import PoolingRoutes
 from heterollm.entrypoints.openai.profile import ProfileRoutes
@@ -194,6 +196,7 @@ class OpenAIServer:
                 "required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}})
         PoolingRoutes(self).register(app)
         WeightRoutes(self).register(app)
+        KVTransferRoutes(self).register(app)
         ProfileRoutes(self).register(app)
         return app
 
@@ -354,8 +357,10 @@ class OpenAIServer:
 
     # -- generation ------------------------------------------------------------------------
     async def _admit(self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
-                     request_id: str, body: Any, mm_items: list[MultiModalItem] | None = None) -> list[RequestStream]:
-        """Admit each prompt (`mm_items`: the images of a single prompt, already preprocessed)."""
+                     request_id: str, body: Any, mm_items: list[MultiModalItem] | None = None,
+                     kv_transfer_params: dict[str, Any] | None = None) -> list[RequestStream]:
+        """Admit each prompt (`mm_items`: the images of a single prompt, already preprocessed;
+        `kv_transfer_params`: disagg.transfer_params, for a single prompt)."""
         streams: list[RequestStream] = []
         try:
             for i, (text, ids) in enumerate(prompts):
@@ -367,7 +372,8 @@ class OpenAIServer:
                                                            prompt_token_ids=ids,
                                                            first_output_timeout=self.settings.max_waiting_time,
                                                            priority=body.priority, ttft_slo_ms=body.ttft_slo_ms,
-                                                           mm_items=mm_items or None))
+                                                           mm_items=mm_items or None,
+                                                           kv_transfer_params=kv_transfer_params))
         except BaseException:
             for s in streams:
                 s.close()
@@ -406,6 +412,9 @@ class OpenAIServer:
             return self._error(400, str(exc), exc.field)
         except EngineError as exc:
             return self._error(500, str(exc))
+        except KVTransferFailed as exc:
+            self.metrics.record_error(exc.status)
+            return JSONResponse(exc.body(), status_code=exc.status)
         except _ClientGone:
             return Response(status_code=499)
         finally:
@@ -451,13 +460,18 @@ class OpenAIServer:
         if "max_tokens" not in body.model_fields_set:  # OpenAI's default of 16, clamped to the context left
             requested = max(1, min(16, self.engine.max_model_len - longest))
         max_tokens = self._max_tokens(longest, requested, "prompt", "max_tokens")
+        kv_params = transfer_params(body, len(prompts))
         if body.use_beam_search:
             return await self._beam_search(request, body, prompts, max_tokens, "text_completion")
         want_prompt_lps = body.requested_prompt_logprobs(body.logprobs if body.echo else None)
         params = body.sampling_params(self.defaults, max_tokens, body.logprobs, want_prompt_lps, "logprobs")
         params.structured_outputs = body.structured_spec()
         request_id = f"cmpl-{body.request_id or uuid.uuid4().hex}"
-        streams = await self._admit(prompts, params, request_id, body)
+        streams = await self._admit(prompts, params, request_id, body, kv_transfer_params=kv_params)
+        if body.stream and kv_params:  # a failed KV pull is the stream's first event
+            streams, failed = await first_outputs(streams)
+            if failed is not None:
+                return self._sse(failed_events(failed), streams)
         ctx = ResponseBuilder(self, request_id, "text_completion", body, prompts, streams, body.logprobs)
         if body.stream:
             return self._sse(ctx.stream_completion(), streams)
@@ -485,6 +499,7 @@ class OpenAIServer:
         max_tokens = self._max_tokens(len(ids), body.requested_max_tokens(), "messages",
                                       "max_completion_tokens" if body.max_completion_tokens is not None
                                       else "max_tokens")
+        kv_params = transfer_params(body, 1)
         if body.use_beam_search:
             return await self._beam_search(request, body, [(None, ids)], max_tokens, "chat.completion")
         top = (body.top_logprobs or 0) if body.logprobs else None
@@ -492,7 +507,11 @@ class OpenAIServer:
         params.structured_outputs = body.structured_spec()
         self.parsers.prepare(plan, forced, params, body, ids, self.engine.tokenizer)
         request_id = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
-        streams = await self._admit([(None, ids)], params, request_id, body, mm_items)
+        streams = await self._admit([(None, ids)], params, request_id, body, mm_items, kv_params)
+        if body.stream and kv_params:  # a failed KV pull is the stream's first event
+            streams, failed = await first_outputs(streams)
+            if failed is not None:
+                return self._sse(failed_events(failed), streams)
         ctx = ResponseBuilder(self, request_id, "chat.completion", body, [(None, ids)], streams, top, plan)
         if body.stream:
             return self._sse(ctx.stream_chat(), streams)
@@ -534,6 +553,7 @@ class OpenAIServer:
             for s in streams:
                 s.close()
         for out in outs:
+            check_output(out)
             if any(c.finish_reason == "abort" for c in out.outputs):
                 raise RequestRejected("request", "the request could not be scheduled: it needs more KV cache "
                                                  "than the engine has", status=503)
@@ -544,10 +564,11 @@ class OpenAIServer:
             try:
                 async for event in events:
                     yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
-            except (RequestRejected, EngineError) as exc:  # after the 200 went out: an error event
+            except (RequestRejected, EngineError, KVTransferFailed) as exc:  # after the 200 went out: an error event
                 status = getattr(exc, "status", 500)
                 self.metrics.record_error(status)
-                body = error_body(status, str(exc), getattr(exc, "field", None))
+                body = exc.body() if isinstance(exc, KVTransferFailed) else error_body(status, str(exc),
+                                                                                       getattr(exc, "field", None))
                 yield f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
             finally:
                 await events.aclose()
