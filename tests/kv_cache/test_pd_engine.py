@@ -94,6 +94,8 @@ def test_prefill_then_decode_gives_one_instances_tokens_and_frees_every_block(ti
         assert p.release_kv(kv["remote_request_id"]) and not p.release_kv(kv["remote_request_id"])
     assert got == want
     assert p.kv.num_free_blocks == free_p and d.kv.num_free_blocks == free_d
+    stats = d.stats()
+    assert stats["kv_pull_blocks"] == sum(-(-len(x) // 8) for x in prompts) and stats["kv_pull_seconds"] > 0
 
 
 def test_the_decode_instances_prefix_cache_skips_blocks_it_holds(prompts, instances):

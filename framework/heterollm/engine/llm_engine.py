@@ -98,6 +98,10 @@ class LLMEngine:
         events go to the base ports + dp_rank)."""
         self.config = config
         self.dp_rank = dp_rank
+        self.kv_pull_blocks = 0
+        """PD, DECODE: blocks pulled from prefill instances so far."""
+        self.kv_pull_seconds = 0.0
+        """Seconds the steps spent moving KV blocks in while pulling (rank 0's clock)."""
         self.engine_id = uuid.uuid4().hex
         """Names this engine to other instances (PD: remote_engine_id)."""
         self._pd_ranks: list[dict[str, Any]] | None = None
@@ -606,6 +610,7 @@ class LLMEngine:
                 "host_tier_cached_blocks": host.num_used if host else 0, "host_tier_saved": host.saved if host else 0,
                 "host_tier_loaded": host.loaded if host else 0,
                 "prefix_store_hits": getattr(self.kv, "store_hits", 0),
+                "kv_pull_blocks": self.kv_pull_blocks, "kv_pull_seconds": self.kv_pull_seconds,
                 "store_put_blocks": self.kv_store.put if self.kv_store else 0,
                 "store_fetched_blocks": self.kv_store.fetched if self.kv_store else 0}
 
@@ -745,6 +750,11 @@ class LLMEngine:
 
     def _after_step(self, so: SchedulerOutput, result: RunnerOutput, schedule_s: float, t_output: float,
                     run_s: float) -> None:
+        if so.kv_transfers is not None:
+            pulls = so.kv_transfers.get("mooncake_transfer")
+            if pulls is not None:
+                self.kv_pull_blocks += sum(len(p.local_blocks) for p in pulls.pulls)
+                self.kv_pull_seconds += result.timings.get("kv_transfer", 0.0)
         if self.scheduler.latency is not None:
             self.scheduler.latency.model.observe(
                 [(len(r.new_token_ids), r.num_computed_tokens) for r in so.requests], run_s)

@@ -104,8 +104,9 @@ class RunnerOutput:
     """Per scheduled request: the drafts a worker-side proposer (a draft model) made for its next
     step ([] for none); None when no worker-side proposer runs."""
     timings: dict[str, float] = field(default_factory=dict)
-    """Seconds spent in this step's phases on the worker ("prepare", "forward", "sample"), for
-    --enable_profile_step_time."""
+    """Seconds spent in this step's phases on the worker ("prepare", "forward", "sample", and
+    "kv_transfer" when the step moved KV blocks), for --enable_profile_step_time and the KV
+    transfer counters."""
     kv_failed: dict[str, str] | None = None
     """Request id -> why its KV could not be brought in this step (a KV connector's pull failed on some
     rank): the engine ends it with that error; None when none failed."""

@@ -465,10 +465,12 @@ class ModelRunner:
         self.pooler.forget(so.finished_request_ids)
         if self.mm is not None:
             self.mm.forget(so.finished_request_ids)
+        t_kv = time.perf_counter()
         kv_failed = self._apply_kv_transfers(so) if so.kv_transfers is not None else None
+        kv_s = {"kv_transfer": time.perf_counter() - t_kv} if so.kv_transfers is not None else {}
         reqs = so.requests
         if not reqs:
-            return RunnerOutput([], [], [], [], kv_failed=kv_failed)
+            return RunnerOutput([], [], [], [], kv_failed=kv_failed, timings=kv_s)
         if self.pctx.dp_size > 1:
             reqs = self._own_requests(reqs)
             if not reqs:  # the experts' all_to_all needs every rank: run a token on the scratch block
@@ -503,7 +505,7 @@ class ModelRunner:
             sampled_token_ids=[sampled[i][0] if i in sampled else [] for i in range(len(reqs))],
             logprobs=[sampled[i][1] if i in sampled else None for i in range(len(reqs))],
             prompt_logprobs=prompt_lps, pooled=pooled, spec_token_ids=drafts,
-            timings={"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2,
+            timings={"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2, **kv_s,
                      **({"draft": t4 - t3} if self.drafter is not None else {}),
                      **({"comm": self.pctx.communicator.seconds - comm0} if comm0 is not None else {})},
             expert_load=expert_load, kv_failed=kv_failed)

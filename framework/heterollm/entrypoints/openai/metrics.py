@@ -110,6 +110,8 @@ _COUNTERS = {
                                           "prefix_store_hits"),
     "heterollm_kv_store_put_blocks": ("Blocks handed to the ranks to put in the KV cache store.", "store_put_blocks"),
     "heterollm_kv_store_fetched_blocks": ("Blocks fetched from the KV cache store.", "store_fetched_blocks"),
+    "heterollm_kv_pull_blocks": ("PD, DECODE: KV blocks pulled from prefill instances.", "kv_pull_blocks"),
+    "heterollm_kv_pull_seconds": ("PD, DECODE: seconds the steps spent pulling KV blocks.", "kv_pull_seconds"),
     "heterollm_spec_decode_num_drafts": ("Speculative decoding: verifications (a sequence's step with drafts).",
                                          "spec_num_drafts"),
     "heterollm_spec_decode_num_draft_tokens": ("Speculative decoding: draft tokens verified.",
