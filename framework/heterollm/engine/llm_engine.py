@@ -105,7 +105,7 @@ class LLMEngine:
         self.engine_id = uuid.uuid4().hex
         """Names this engine to other instances (PD: remote_engine_id)."""
         self._pd_ranks: list[dict[str, Any]] | None = None
-        """PD, PREFILL: the ranks' transfer endpoints and cache addresses (asked once)."""
+        """PD: the ranks' transfer endpoints and cache addresses (asked once, at start)."""
         self._reservation: tuple[str, Path] | None = None
         """(key, registry file) of this engine's entry in the host's memory registry, until shutdown."""
         self.selection = launch_selection(config, lambda: self._resolve_model().architectures)
@@ -198,6 +198,8 @@ class LLMEngine:
         else:
             self.executor.initialize_cache(num_blocks)
         self.num_blocks = num_blocks
+        if "kv_connectors.mooncake_transfer" in self.selection.components:  # asked now: no step is in flight
+            self._pd_ranks = [rank["mooncake_transfer"] for rank in self.executor.kv_connector_info()]
         self.max_model_len = max_len
         self.tokenizer = load_tokenizer(self.source.folder, self.source.gguf_file, config.fastdeploy.tokenizer,
                                         self.source.eos_token_ids, config.fastdeploy.chat_template)
@@ -437,8 +439,6 @@ class LLMEngine:
         r = parent.children[0].request
         if not (parent.finished and r.kv_hold and r.held_blocks and r.output_token_ids):
             return None
-        if self._pd_ranks is None:
-            self._pd_ranks = [rank["mooncake_transfer"] for rank in self.executor.kv_connector_info()]
         return {"do_remote_prefill": True, "remote_request_id": r.request_id, "remote_engine_id": self.engine_id,
                 "remote_ranks": self._pd_ranks, "remote_block_ids": list(r.held_blocks),
                 "prompt_token_ids": list(r.prompt_token_ids), "first_token_id": r.output_token_ids[0],
