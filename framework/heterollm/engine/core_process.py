@@ -119,6 +119,8 @@ class EngineCore:
         self.aborted: list[str] = []
         self.sender = ipc.OutputSender()
         self._stats_sent = 0.0
+        self._stats_stale = False
+        """An admin call changed the engine while idle (release_kv frees blocks): send the gauges again."""
         self._idle_interval = min(0.5, engine.config.server.health_check_interval_ms / 1000)
 
     def _send(self, msg: Any) -> None:
@@ -133,9 +135,9 @@ class EngineCore:
         try:
             while True:
                 busy = self.engine.has_unfinished()
-                if not busy and (was_busy or self.aborted):  # the gauges at rest, and the last aborts
+                if not busy and (was_busy or self.aborted or self._stats_stale):  # the gauges at rest, the last aborts
                     self._send(ipc.Outputs([], self._take_aborted(), self.engine.stats()))
-                    was_busy = False
+                    was_busy = self._stats_stale = False
                 timeout = 0 if busy else (10 if self.compiling else self._idle_interval * 1000)
                 while poller.poll(timeout):
                     msg = self.dec.decode(self.inbox.recv())
@@ -252,4 +254,5 @@ class EngineCore:
         except Exception as exc:
             self._send(ipc.UtilityResult(msg.call_id, error=ipc.Rejection.of(exc)))
             return
+        self._stats_stale = True
         self._send(ipc.UtilityResult(msg.call_id, value=value))

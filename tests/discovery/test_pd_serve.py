@@ -1,0 +1,228 @@
+"""Prefill/decode disaggregation end to end: the router in front of a PREFILL and a DECODE instance of
+the same tiny llama (the KV cache moves over Mooncake's transfer engine, TCP) answers with a single
+instance's greedy text, streamed and not; a PREFILL instance killed after its answer and before the
+pull is a clear error, or a retry on another PREFILL instance through the router; KV blocks come back
+on both sides (/metrics). The first test runs the instances in this process; the others run real
+`heterollm serve` and `heterollm route` processes (slow)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from heterollm.service.router import Router, RouterSettings
+
+from .conftest import free_port, running_app, wait_for
+
+COMPLETION = {"model": "tiny", "prompt": "The quick brown fox jumps over", "max_tokens": 6, "temperature": 0,
+              "ignore_eos": True}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 6, "temperature": 0,
+        "ignore_eos": True}
+FLAGS = {"dtype": "float32", "block_size": 8, "num_gpu_blocks_override": 96, "max_model_len": 256}
+
+
+def _text(client: httpx.Client, url: str, path: str, body: dict, stream: bool) -> str:
+    chat = path.endswith("/chat/completions")
+    if not stream:
+        r = client.post(url + path, json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return choice["message"]["content"] if chat else choice["text"]
+    with client.stream("POST", url + path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [c for e in events[:-1] for c in json.loads(e)["choices"]]
+    return "".join((c["delta"].get("content") or "") if chat else c["text"] for c in chunks)
+
+
+def _answers(client: httpx.Client, url: str) -> list[str]:
+    return [_text(client, url, path, body, stream) for path, body in (("/v1/completions", COMPLETION),
+                                                                      ("/v1/chat/completions", CHAT))
+            for stream in (False, True)]
+
+
+def test_router_over_in_process_prefill_and_decode_instances(tiny_llama):
+    from heterollm.config import load_config
+    from heterollm.engine.llm_engine import LLMEngine
+    from heterollm.entrypoints.openai.server import OpenAIServer, ServerSettings
+
+    def server(**flags) -> FastAPI:
+        engine = LLMEngine(load_config([], overrides={"model": str(tiny_llama), **FLAGS, **flags}).config)
+        return OpenAIServer(engine, ServerSettings(served_model_names=["tiny"])).app
+
+    pd = {"kv_cache_transfer_mode": "PULL"}
+    with ExitStack() as stack, httpx.Client(timeout=60) as client:
+        p = stack.enter_context(running_app(server(instance_role="PREFILL", transfer_listen_port=free_port(), **pd)))
+        d = stack.enter_context(running_app(server(instance_role="DECODE", transfer_listen_port=free_port(), **pd)))
+        plain = stack.enter_context(running_app(server()))
+        router = stack.enter_context(running_app(Router(RouterSettings(prefill_instances=(p,), decode_instances=(d,),
+                                                                       request_timeout=60)).app))
+        assert _answers(client, router) == _answers(client, plain)
+
+
+# -- real processes ----------------------------------------------------------------------------------
+def _start(log: Path, *args: str) -> subprocess.Popen:
+    with open(log, "w") as err:  # a file, not a pipe: a chatty process never blocks on a full pipe
+        return subprocess.Popen([sys.executable, "-m", "heterollm.entrypoints.cli", *args], stdout=subprocess.DEVNULL,
+                                stderr=err, text=True, env=dict(os.environ))
+
+
+def _serve(model: Path, log: Path, port: int, *flags: str) -> subprocess.Popen:
+    return _start(log, "serve", "--model", str(model), "--host=127.0.0.1", f"--port={port}", "--served_model_name=tiny",
+                  *(f"--{k}={v}" for k, v in FLAGS.items()), *flags)
+
+
+def _pd_flags(role: str) -> list[str]:
+    return [f"--instance_role={role}", "--kv_cache_transfer_mode=PULL", f"--transfer_listen_port={free_port()}"]
+
+
+def _healthy(proc: subprocess.Popen, url: str, log: Path) -> bool:
+    if proc.poll() is not None:
+        raise AssertionError(f"exited early ({proc.returncode}): {log.read_text()[-3000:]}")
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def free_blocks(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return float(re.search(r"^heterollm_kv_cache_free_blocks\{[^}]*\} (\S+)$", text, re.M).group(1))
+
+
+class Cluster:
+    def __init__(self, model: Path, folder: Path) -> None:
+        self.model, self.folder = model, folder
+        self.procs: dict[str, tuple[subprocess.Popen, str, Path]] = {}
+
+    def serve(self, name: str, *flags: str) -> str:
+        port, log = free_port(), self.folder / f"{name}.log"
+        self.procs[name] = (_serve(self.model, log, port, *flags), f"http://127.0.0.1:{port}", log)
+        return self.procs[name][1]
+
+    def route(self, name: str, *flags: str) -> str:
+        port, log = free_port(), self.folder / f"{name}.log"
+        self.procs[name] = (_start(log, "route", "--host=127.0.0.1", f"--port={port}", *flags),
+                            f"http://127.0.0.1:{port}", log)
+        return self.procs[name][1]
+
+    def wait(self) -> None:
+        for proc, url, log in self.procs.values():
+            wait_for(lambda: _healthy(proc, url, log), 240, f"{log.stem} did not become healthy", step=0.3)
+
+    def url(self, name: str) -> str:
+        return self.procs[name][1]
+
+    def proc(self, name: str) -> subprocess.Popen:
+        return self.procs[name][0]
+
+    def stop(self) -> None:
+        for proc, _, _ in self.procs.values():
+            _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama, tmp_path_factory) -> Iterator[Cluster]:
+    c = Cluster(tiny_llama, tmp_path_factory.mktemp("pd-serve"))
+    try:
+        p, d = c.serve("prefill", *_pd_flags("PREFILL")), c.serve("decode", *_pd_flags("DECODE"))
+        c.serve("mix", "--instance_role=MIX")
+        c.route("router", f"--prefill_instances={p}", f"--decode_instances={d}", "--request_timeout=60")
+        c.wait()
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.mark.slow
+def test_routed_answers_are_a_single_instances_and_blocks_come_back(cluster):
+    p, d = cluster.url("prefill"), cluster.url("decode")
+    start = {p: free_blocks(p), d: free_blocks(d)}
+    with httpx.Client(timeout=120) as client:
+        assert _answers(client, cluster.url("router")) == _answers(client, cluster.url("mix"))
+    for url, blocks in start.items():
+        wait_for(lambda: free_blocks(url) == blocks, 10, f"{url} did not free its blocks ({start})", step=0.2)
+
+
+def _prefill_then_die(target: str, proc: subprocess.Popen) -> FastAPI:
+    """A PREFILL instance's front that kills it once it has answered, before anyone pulls."""
+    app = FastAPI()
+
+    async def prefill(request: Request) -> Response:
+        async with httpx.AsyncClient(timeout=60) as client:
+            r = await client.post(target + request.url.path, content=await request.body(),
+                                  headers={"content-type": "application/json"})
+        _stop_hard(proc)
+        return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        app.add_api_route(path, prefill, methods=["POST"])
+    return app
+
+
+@pytest.mark.slow
+def test_a_prefill_instance_killed_before_the_pull(cluster):
+    d = cluster.url("decode")
+    doomed = [cluster.serve(f"doomed{i}", *_pd_flags("PREFILL")) for i in range(2)]
+    cluster.wait()
+    start = free_blocks(d)
+    failed = {"type": "kv_transfer_failed", "param": "kv_transfer_params", "code": 502}
+    with httpx.Client(timeout=60) as client:
+        # by hand: P answers, dies; D's pull fails with a clear error, streamed or not, and no hang
+        one = {**COMPLETION, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        params = client.post(doomed[0] + "/v1/completions", json=one).json()["kv_transfer_params"]
+        _stop_hard(cluster.proc("doomed0"))
+        began = time.monotonic()
+        r = client.post(d + "/v1/completions", json={**COMPLETION, "kv_transfer_params": params})
+        assert r.status_code == 502 and {k: r.json()["error"][k] for k in failed} == failed, r.text
+        assert "pulling the prompt's KV failed" in r.json()["error"]["message"]
+        with client.stream("POST", d + "/v1/completions",
+                           json={**COMPLETION, "stream": True, "kv_transfer_params": params}) as s:
+            events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+        assert json.loads(events[0])["error"]["type"] == "kv_transfer_failed" and events[1:] == ["[DONE]"]
+        assert time.monotonic() - began < 30
+        # through the router: the first P dies after answering, the flow runs again on the live one
+        with running_app(_prefill_then_die(doomed[1], cluster.proc("doomed1"))) as front, \
+                running_app(Router(RouterSettings(prefill_instances=(front, cluster.url("prefill")),
+                                                  decode_instances=(d,), request_timeout=60)).app) as router:
+            assert _text(client, router, "/v1/completions", COMPLETION, False) == \
+                _text(client, cluster.url("mix"), "/v1/completions", COMPLETION, False)
+        assert cluster.proc("doomed1").poll() is not None  # the flow went through it first
+    wait_for(lambda: free_blocks(d) == start, 10, "the decode instance kept blocks of failed pulls", step=0.2)
+
+
+def _stop_hard(proc: subprocess.Popen) -> None:
+    """SIGKILL the instance and its engine core at once (a core whose API server is gone would serve
+    pulls until it notices, up to half a second later)."""
+    children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(proc.pid)], capture_output=True,
+                              text=True).stdout.split()
+    for pid in children:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.kill()
+    proc.wait(30)
