@@ -41,6 +41,9 @@ RULES: dict[str, Rule] = {
     **_rules("use_audio_in_video audio_max_upload_file_mb audio_max_decode_duration_s", AUDIO),
     **_rules("cache_queue_port", NO_EQUIVALENT),
     **_rules("num_threads num_request_handling_threads num_response_handling_threads", IN_PROCESS),
+    **_rules("disable_ttft_profiling", "it skips the TTFT / TPOT start-up profile a disaggregated-PD instance "
+             "reports to xLLM's service router; heterollm's instances report their load (running, waiting, KV usage) "
+             "and `heterollm route` balances by it: there is no such profile to skip"),
 }
 
 def _planned(names: str, reason: str, ok: tuple[Any, ...] = ()) -> None:
@@ -60,8 +63,6 @@ _planned("graph_optimization_config "
          "the accelerator backends issue")
 _planned("layers_wise_copy_batchs enable_control_h2d_block_num", "pacing the host tier's copies back layer by layer "
          "beside the forward; the host tier (--host_blocks_factor, --swap_space) copies every layer before the step")
-_planned("disable_ttft_profiling", "it skips the TTFT / TPOT profile a disaggregated-PD instance reports to the "
-         "service router; PD disaggregation")
 _planned("indexer_cache_dtype max_linear_state_cache_slots phy_page_granularity_size enable_dsa_multi_stream",
          "models with indexer / linear-attention caches")
 
