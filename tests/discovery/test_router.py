@@ -1,7 +1,8 @@
 """`heterollm route`'s router in front of a real OpenAI server (a tiny random llama, in this process):
 the same greedy answer as a direct request, streamed and not; a dead instance retried on the live
 one; 503 at once when none is left; instances found in etcd and through HTTP registrations (the
-xservice endpoint), dropped when their lease or heartbeats stop; PREFILL / DECODE not routed to."""
+xservice endpoint), dropped when their lease or heartbeats stop; PREFILL or DECODE instances alone are
+not routed to (test_router_pd.py: the two together)."""
 from __future__ import annotations
 
 import json
@@ -120,7 +121,7 @@ def test_unreachable_xservice_is_a_launch_error():
         raise AssertionError("no error")
 
 
-def test_prefill_and_decode_instances_are_recorded_not_routed(instance):
+def test_a_prefill_or_decode_instance_alone_is_recorded_not_routed(instance):
     with running_app(Router(RouterSettings()).app) as router:
         for role in ("PREFILL", "DECODE"):
             info = InstanceInfo(name=_name(instance), role=role, model="tiny")

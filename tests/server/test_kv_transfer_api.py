@@ -7,6 +7,7 @@ the engine-core messages carry the params and the outputs' kv_transfer_params an
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Iterator
 
 import httpx
@@ -120,3 +121,18 @@ def test_core_messages_carry_the_params_and_the_outcome():
     back = ipc.output_from_wire(ipc.from_core_decoder().decode(wire).outputs[0])
     assert back.kv_transfer_params == params and back.error == out.error
     assert back.outputs[0].finish_reason == "error"
+
+
+def test_release_asks_every_replica(tiny_llama):
+    engines = [make_engine(tiny_llama, instance_role="PREFILL", transfer_listen_port=free_port(), **PD)
+               for _ in range(2)]
+    with serving(engines) as p, httpx.Client(timeout=60) as client:
+        keys = ["a", "b", "c", "d"]  # prompt_cache_key pins a replica: these reach both
+        assert {zlib.crc32(k.encode()) % 2 for k in keys} == {0, 1}
+        held = [_prefill(client, p.url, "/v1/chat/completions", {**CHAT, "prompt_cache_key": k}) for k in keys]
+        assert all(e.kv.num_free_blocks < PD["num_gpu_blocks_override"] for e in engines)
+        for params in held:
+            release = {"remote_request_id": params["remote_request_id"]}
+            assert client.post(p.url + "/v1/kv_transfer/release", json=release).json() == {"released": True}
+            assert client.post(p.url + "/v1/kv_transfer/release", json=release).json() == {"released": False}
+        assert sum(e.kv.num_free_blocks for e in engines) == 2 * PD["num_gpu_blocks_override"]
