@@ -29,7 +29,7 @@ class FakePrefill:
     """Answers one token and the kv_transfer_params of the protocol; records bodies and releases."""
 
     def __init__(self, name: str) -> None:
-        self.name, self.bodies, self.released = name, [], []
+        self.name, self.bodies, self.released, self.auth = name, [], [], []
         self.app = FastAPI()
         for path in ("/v1/completions", "/v1/chat/completions"):
             self.app.add_api_route(path, self.prefill, methods=["POST"])
@@ -46,6 +46,7 @@ class FakePrefill:
 
     async def release(self, request: Request) -> JSONResponse:
         self.released.append((await request.json())["remote_request_id"])
+        self.auth.append(request.headers.get("authorization"))
         return JSONResponse({"released": True})
 
 
@@ -103,7 +104,8 @@ def test_prefill_then_decode_bodies_and_release():
     with ExitStack() as stack:
         p_url, d_url = _serve(stack, p, d)
         router = _router(stack, [p_url], [d_url])
-        r = httpx.post(router + "/v1/completions", json={**COMPLETION, "n": 1, "stream": False}, timeout=20)
+        r = httpx.post(router + "/v1/completions", json={**COMPLETION, "n": 1, "stream": False}, timeout=20,
+                       headers={"Authorization": "Bearer k"})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decoded"
         assert p.bodies == [{**COMPLETION, "n": 1, "stream": False, "max_tokens": 1,
                              "kv_transfer_params": {"do_remote_decode": True}}]
@@ -113,6 +115,7 @@ def test_prefill_then_decode_bodies_and_release():
                     "first_token_id": 7, "block_size": 8}
         assert d.bodies == [{**COMPLETION, "n": 1, "stream": False, "kv_transfer_params": p_params}]
         wait_for(lambda: p.released == ["p-1"], 5, "P was not told to release the blocks")
+        assert p.auth == ["Bearer k"]  # the client's key reaches the release too
 
 
 def test_stream_passes_through_and_chat_prefill_asks_one_token():

@@ -65,6 +65,17 @@ def is_transfer_failure(data: bytes) -> bool:
 
 
 @dataclass
+class _Held:
+    """A PREFILL instance's blocks for one request, until released."""
+
+    p: Instance
+    params: dict[str, Any]
+    """P's kv_transfer_params, for the DECODE instance."""
+    headers: dict[str, str]
+    """The client's headers (its Authorization), for the release."""
+
+
+@dataclass
 class _Failed:
     """D could not pull the KV cache; `response` is its answer, passed on when no retry is left."""
 
@@ -85,10 +96,10 @@ class PDFlow:
             prefill = await self._prefill(path, body, headers, model, tried)
             if isinstance(prefill, Response):
                 return prefill
-            p, params = prefill
-            answer = await self._decode(path, body, headers, model, p, params)
+            answer = await self._decode(path, body, headers, model, prefill)
             if not isinstance(answer, _Failed):
                 return answer
+            p = prefill.p
             tried.add(p.name)
             other = self.router.policy.pick(self.router.pool, ("PREFILL",), model, tried)
             if retried or other is None:
@@ -99,7 +110,7 @@ class PDFlow:
 
     # -- step 1 ----------------------------------------------------------------------------------
     async def _prefill(self, path: str, body: dict[str, Any], headers: dict[str, str], model: str | None,
-                       tried: set[str]) -> tuple[Instance, dict[str, Any]] | Response:
+                       tried: set[str]) -> _Held | Response:
         router = self.router
         payload = prefill_body(body, path.endswith("/chat/completions"))
         while True:
@@ -127,18 +138,18 @@ class PDFlow:
             if not isinstance(params, dict):
                 return error_response(502, f"PREFILL instance {p.name} answered without kv_transfer_params "
                                            f"(is it started with --instance_role PREFILL?)")
-            return p, params
+            return _Held(p, params, headers)
 
     # -- steps 2 and 3 ---------------------------------------------------------------------------
     async def _decode(self, path: str, body: dict[str, Any], headers: dict[str, str], model: str | None,
-                      p: Instance, params: dict[str, Any]) -> Response | _Failed:
+                      held: _Held) -> Response | _Failed:
         router = self.router
-        payload = decode_body(body, params)
+        payload = decode_body(body, held.params)
         tried: set[str] = set()
         while True:
             d = router.policy.pick(router.pool, ("DECODE",), model, tried)
             if d is None:
-                self.release(p, params)
+                self.release(held)
                 return error_response(503, "no instance available: no DECODE instance" +
                                       (f" left (failed: {', '.join(sorted(tried))})" if tried else ""))
             d.in_flight += 1
@@ -153,11 +164,13 @@ class PDFlow:
                 self._down(d, exc)
                 tried.add(d.name)
                 continue
-            except httpx.HTTPError as exc:
+            except BaseException as exc:  # an error, or cancelled (the client went away)
                 d.in_flight -= 1
-                self.release(p, params)
+                self.release(held)
                 if upstream is not None:
-                    await upstream.aclose()
+                    asyncio.get_running_loop().create_task(upstream.aclose())
+                if not isinstance(exc, httpx.HTTPError):
+                    raise
                 if isinstance(exc, httpx.TimeoutException):
                     return error_response(504, f"DECODE instance {d.name} did not answer within "
                                                f"{router.settings.request_timeout}s")
@@ -165,21 +178,21 @@ class PDFlow:
             if first and not is_transfer_failure(first):
                 def done(d: Instance = d) -> None:
                     d.in_flight -= 1
-                    self.release(p, params)
+                    self.release(held)
                 return Proxied(upstream, done, _chain(first, rest))
-            return await self._whole(upstream, first, rest, d, p, params)
+            return await self._whole(upstream, first, rest, d, held)
 
     async def _whole(self, upstream: httpx.Response, first: bytes, rest: AsyncIterator[bytes], d: Instance,
-                     p: Instance, params: dict[str, Any]) -> Response | _Failed:
+                     held: _Held) -> Response | _Failed:
         """D's whole answer (not streamed, an error, or a stream that is only the failure)."""
         try:
             content = first + b"".join([chunk async for chunk in rest])
         except httpx.HTTPError as exc:
             return error_response(502, f"DECODE instance {d.name} failed: {type(exc).__name__}: {exc}")
         finally:
-            await upstream.aclose()
             d.in_flight -= 1
-            self.release(p, params)
+            self.release(held)
+            await upstream.aclose()
         answer = whole_answer(content, upstream.status_code, upstream.headers, raw=True)
         if (upstream.status_code == 502 or first) and is_transfer_failure(content):
             return _Failed(answer)
@@ -192,19 +205,20 @@ class PDFlow:
         logger.warning("%s instance %s unreachable (%s); trying another", instance.info.role, instance.name,
                        type(exc).__name__)
 
-    def release(self, p: Instance, params: dict[str, Any]) -> None:
+    def release(self, held: _Held) -> None:
         """Tell P to drop the request's blocks, in the background (best effort)."""
-        request_id = params.get("remote_request_id")
+        request_id = held.params.get("remote_request_id")
         if not isinstance(request_id, str):
             return
-        task = asyncio.get_running_loop().create_task(self._release(p, request_id))
+        task = asyncio.get_running_loop().create_task(self._release(held.p, request_id, held.headers))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
-    async def _release(self, p: Instance, request_id: str) -> None:
+    async def _release(self, p: Instance, request_id: str, headers: dict[str, str]) -> None:
+        auth = {k: v for k, v in headers.items() if k.lower() == "authorization"}
         try:
             r = await self.router.client.post(p.url + "/v1/kv_transfer/release", json={"remote_request_id": request_id},
-                                              timeout=RELEASE_TIMEOUT_S)
+                                              headers=auth, timeout=RELEASE_TIMEOUT_S)
             if r.status_code != 200:
                 logger.warning("release of %s on %s answered %d", request_id, p.name, r.status_code)
         except httpx.HTTPError as exc:
