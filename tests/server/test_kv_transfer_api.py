@@ -86,7 +86,8 @@ def test_a_failed_pull_is_a_502_or_the_first_event(servers):
             assert {k: error[k] for k in failed} == failed and "pulling the prompt's KV failed" in error["message"]
             events = _events(client, servers["d"], path, {**body, "kv_transfer_params": dead})
             assert len(events) == 1 and {k: events[0]["error"][k] for k in failed} == failed
-            client.post(servers["p"] + "/v1/kv_transfer/release", json={"remote_request_id": params["remote_request_id"]})
+            release = {"remote_request_id": params["remote_request_id"]}
+            client.post(servers["p"] + "/v1/kv_transfer/release", json=release)
 
 
 def test_refusals_name_the_field(servers):

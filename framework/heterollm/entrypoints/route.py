@@ -48,7 +48,8 @@ def router_settings(loaded: LoadedConfig):
         raise ConfigError("--xservice_address: the router is the xservice endpoint itself (instances point their "
                           "--xservice_address at its --host:--port)")
     return RouterSettings(etcd_addr=dist.etcd_addr, etcd_namespace=dist.etcd_namespace,
-                          heart_beat_interval=dist.heart_beat_interval, etcd_ttl=float(dist.etcd_ttl), instances=lists["instances"],
+                          heart_beat_interval=dist.heart_beat_interval, etcd_ttl=float(dist.etcd_ttl),
+                          instances=lists["instances"],
                           prefill_instances=lists["prefill_instances"], decode_instances=lists["decode_instances"],
                           connect_timeout=extra["connect_timeout"], request_timeout=extra["request_timeout"])
 
