@@ -88,7 +88,8 @@ def _cmd_generate(loaded: LoadedConfig) -> int:
 
 COMMANDS: dict[str, Command] = {
     "serve": Command("run the OpenAI-compatible HTTP server", _cmd_serve, extra_groups={"serve": ServeFlags}),
-    "route": Command("route OpenAI requests to the least-loaded registered instance (etcd, HTTP or --instances)",
+    "route": Command("route OpenAI requests to the least-loaded registered instance (etcd, HTTP or --instances), "
+                     "through a PREFILL then a DECODE instance when there are both",
                      _cmd_route, extra_groups={"route": RouteFlags}, needs_model=False),
     "generate": Command("generate text for a prompt, offline, streaming to the terminal", _cmd_generate,
                         extra_groups={"generate": GenerateFlags}),
