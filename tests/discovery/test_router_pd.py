@@ -232,3 +232,13 @@ def test_route_refuses_kv_push_dst_rotate(cli):
     assert r.err.strip().splitlines()[-1].startswith("heterollm: error: --kv_push_dst_rotate: ")
     r = cli("route", "--prefill_instances=localhost", timeout=60)
     assert r.rc == 2 and r.err.strip().endswith("--prefill_instances: 'localhost' is not http://host:port")
+
+
+def test_serve_registers_the_pd_role_either_spelling():
+    from heterollm.config import load_config
+    from heterollm.entrypoints.serve import make_registrar
+
+    for flags, role in ((["--instance_role", "DECODE"], "DECODE"), (["--splitwise_role", "prefill"], "PREFILL"),
+                        (["--splitwise_role", "mixed"], "DEFAULT")):
+        cfg = load_config([*flags, "--xservice_address", "127.0.0.1:1", "--xservice_rpc_protocol", "http"]).config
+        assert make_registrar(cfg, "tiny", "127.0.0.1", 8000).info.role == role

@@ -58,13 +58,14 @@ def server_settings(loaded: LoadedConfig):
 
 def make_registrar(cfg, model_name: str, host: str, port: int):
     """The instance's registration with --etcd_addr or --xservice_address, or None (not started)."""
+    from heterollm.kv_cache.pd import pd_role
     from heterollm.service.instance import InstanceInfo
     from heterollm.service.registrar import EtcdRegistrar, XServiceRegistrar
 
     dist = cfg.distributed
     if not (dist.etcd_addr or dist.xservice_address):
         return None
-    info = InstanceInfo(name=f"{advertised_host(host)}:{port}", role=cfg.pd.instance_role,
+    info = InstanceInfo(name=f"{advertised_host(host)}:{port}", role=pd_role(cfg),
                         model=model_name, dp_size=engine_replicas(cfg), block_size=cfg.kv_cache.block_size,
                         register_ts_ms=int(time.time() * 1000))
     idle = lambda: Load()  # noqa: E731  (replaced by the replicas' load once they run)
