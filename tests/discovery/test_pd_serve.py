@@ -3,7 +3,8 @@ the same tiny llama (the KV cache moves over Mooncake's transfer engine, TCP) an
 instance's greedy text, streamed and not; a PREFILL instance killed after its answer and before the
 pull is a clear error, or a retry on another PREFILL instance through the router; KV blocks come back
 on both sides (/metrics). The first test runs the instances in this process; the others run real
-`heterollm serve` and `heterollm route` processes (slow)."""
+`heterollm serve` processes registered in etcd and a `heterollm route` process that finds them there
+(slow)."""
 from __future__ import annotations
 
 import json
@@ -113,6 +114,11 @@ def free_blocks(url: str) -> float:
     return float(re.search(r"^heterollm_kv_cache_free_blocks\{[^}]*\} (\S+)$", text, re.M).group(1))
 
 
+def finished(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return sum(float(v) for v in re.findall(r"^heterollm_requests_total\{[^}]*\} (\S+)$", text, re.M))
+
+
 class Cluster:
     def __init__(self, model: Path, folder: Path) -> None:
         self.model, self.folder = model, folder
@@ -145,13 +151,19 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_llama, tmp_path_factory) -> Iterator[Cluster]:
+def cluster(tiny_llama, tmp_path_factory, etcd) -> Iterator[Cluster]:
+    """PREFILL, DECODE and MIX instances registered in etcd, and a router that finds them there (with a
+    PREFILL and DECODE pair present it disaggregates, MIX or not)."""
     c = Cluster(tiny_llama, tmp_path_factory.mktemp("pd-serve"))
+    discovery = [f"--etcd_addr={etcd.address}", "--etcd_namespace=pd-serve", "--heart_beat_interval=0.3"]
     try:
-        p, d = c.serve("prefill", *_pd_flags("PREFILL")), c.serve("decode", *_pd_flags("DECODE"))
-        c.serve("mix", "--instance_role=MIX")
-        c.route("router", f"--prefill_instances={p}", f"--decode_instances={d}", "--request_timeout=60")
+        c.serve("prefill", *_pd_flags("PREFILL"), *discovery)
+        c.serve("decode", *_pd_flags("DECODE"), *discovery)
+        c.serve("mix", "--instance_role=MIX", *discovery)
+        c.route("router", *discovery, "--request_timeout=60")
         c.wait()
+        wait_for(lambda: len(httpx.get(c.url("router") + "/instances", timeout=5).json()["instances"]) == 3, 30,
+                 "the router did not find the three instances in etcd", step=0.3)
         yield c
     finally:
         c.stop()
@@ -163,6 +175,7 @@ def test_routed_answers_are_a_single_instances_and_blocks_come_back(cluster):
     start = {p: free_blocks(p), d: free_blocks(d)}
     with httpx.Client(timeout=120) as client:
         assert _answers(client, cluster.url("router")) == _answers(client, cluster.url("mix"))
+    assert finished(cluster.url("mix")) == 4 and finished(p) == 4  # the routed four went through P and D
     for url, blocks in start.items():
         wait_for(lambda: free_blocks(url) == blocks, 10, f"{url} did not free its blocks ({start})", step=0.2)
 
