@@ -34,6 +34,7 @@ class FakePrefill:
         for path in ("/v1/completions", "/v1/chat/completions"):
             self.app.add_api_route(path, self.prefill, methods=["POST"])
         self.app.add_api_route("/v1/kv_transfer/release", self.release, methods=["POST"])
+        self.app.add_api_route("/v1/models", lambda: {"object": "list", "data": [{"id": "tiny"}]}, methods=["GET"])
 
     async def prefill(self, request: Request) -> JSONResponse:
         body = await request.json()
@@ -116,6 +117,8 @@ def test_prefill_then_decode_bodies_and_release():
         assert d.bodies == [{**COMPLETION, "n": 1, "stream": False, "kv_transfer_params": p_params}]
         wait_for(lambda: p.released == ["p-1"], 5, "P was not told to release the blocks")
         assert p.auth == ["Bearer k"]  # the client's key reaches the release too
+        assert httpx.get(router + "/health").status_code == 200  # a PREFILL and DECODE pair serves
+        assert httpx.get(router + "/v1/models").json()["data"][0]["id"] == "tiny"
 
 
 def test_stream_passes_through_and_chat_prefill_asks_one_token():
