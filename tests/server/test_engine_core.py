@@ -348,7 +348,6 @@ def test_a_failed_step_fails_its_requests_and_the_core_goes_on(tiny_llama):
     engine.executor.execute = execute
     core = EngineCore(engine, inbox, outbox, os.getppid())
     thread = threading.Thread(target=core.run)
-    thread.start()
     enc, dec = ipc.encoder(), ipc.from_core_decoder()
     params = ipc.params_to_wire(SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
 
@@ -362,6 +361,7 @@ def test_a_failed_step_fails_its_requests_and_the_core_goes_on(tiny_llama):
     try:
         for rid in ("a", "b"):
             to_core.send(enc.encode(ipc.Add(rid, [5, 6, 7], None, params)))
+        thread.start()  # both are queued before the loop runs: the failing first step holds both
         failed = until(ipc.StepFailed)
         assert sorted(failed.request_ids) == ["a", "b"] and "planted failure" in failed.message
         assert engine.unfinished_ids() == []
