@@ -28,7 +28,8 @@ from heterollm.kv_cache import DataParallelKVCacheManager, KVCacheManager
 from heterollm.kv_cache.events import make_kv_event_publisher
 from heterollm.kv_cache.host_tier import host_available_bytes, host_slots_for, host_tier_flag
 from heterollm.kv_cache.pd import pd_role, peers_from
-from heterollm.kv_cache.store_tier import SEGMENT_BYTES as STORE_SEGMENT_BYTES, StoreTier, key_prefix, open_store
+from heterollm.kv_cache.store_tier import (SEGMENT_BYTES as STORE_SEGMENT_BYTES, StoreTier, close_store, key_prefix,
+                                           open_store)
 from heterollm.model_executor.loader import ModelSource, resolve_model
 from heterollm.model_executor.registry import check_model_support
 from heterollm.model_executor.runner import LaunchContext, model_max_len, resolve_dtype
@@ -178,6 +179,7 @@ class LLMEngine:
         self.executor.load_model()
         block_size = config.kv_cache.block_size
         self.kv_plan = self._plan_kv_cache(config, max_len)
+        self._size_store_fetches()
         num_blocks = self.kv_plan.num_blocks
         dp = attention_dp_size(config)  # attention DP: a sequence's blocks are all on one rank
         if num_blocks < dp:
@@ -604,6 +606,11 @@ class LLMEngine:
         return StoreTier(client, key_prefix(config, self.source.hf_config), config.parallel.tp_size,
                          st.prefetch_batch_size, st.prefetch_timeout)
 
+    def _size_store_fetches(self) -> None:
+        """Now that a block's bytes are known: a fetch batch stays within the store client's buffer."""
+        if self.kv_store is not None:
+            self.kv_store.fit_batches(-(-self.kv_plan.bytes_per_block // max(1, self.config.parallel.tp_size)))
+
     def _host_tier_stats(self) -> dict[str, int]:
         host = getattr(self.kv, "host", None)
         return {"prefix_host_hits": self.kv.host_hits, "host_tier_blocks": host.num_slots if host else 0,
@@ -912,4 +919,7 @@ class LLMEngine:
         if self.structured is not None:
             self.structured.shutdown()
         self.executor.shutdown()
+        if getattr(self, "kv_store", None) is not None:  # its mounted memory leaves the store
+            close_store(self.config)
+            self.kv_store = None
         self._release_reservation()

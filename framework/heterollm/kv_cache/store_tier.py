@@ -141,6 +141,17 @@ def open_store(config: HeterollmConfig, segment_bytes: int) -> Any:
     return client
 
 
+def close_store(config: HeterollmConfig) -> None:
+    """Close this process's client (its mounted memory leaves the store, and its blocks with it)."""
+    st = config.kv_cache_store
+    client = _CLIENTS.pop((st.store_master_server_address, st.store_metadata_server, st.store_protocol), None)
+    if client is not None:
+        try:
+            client.close()
+        except Exception as exc:  # closing is best effort: the process may be ending anyway
+            logger.warning("closing the KV store client: %s", exc)
+
+
 def key_prefix(config: HeterollmConfig, hf_config: Any) -> str:
     """What a key names besides the prefix hash and the rank: the model (its config), the block size,
     the dtypes, the tensor-parallel size and the hash seed. Instances share a block only when all agree."""
@@ -171,6 +182,11 @@ class StoreTier:
         """Blocks fetched from the store for a request."""
         self.failed = 0
         """Lookups that found a block but could not fetch it (a miss)."""
+
+    def fit_batches(self, share_bytes: int) -> None:
+        """Keep one get_batch (a batch of blocks, every rank's share of each, `share_bytes` apiece)
+        within half the client's transfer buffer: Mooncake answers a larger one partly empty."""
+        self.batch_size = max(1, min(self.batch_size, (BUFFER_BYTES // 2) // max(1, share_bytes * self.ranks)))
 
     def committed(self, block: int, block_hash: int, generation: int) -> None:
         self._fresh.append((block, block_hash, generation))
@@ -226,22 +242,26 @@ class MooncakeStoreConnector(KVConnector):
         # rank 0 of an in-process engine shares the engine's client; a worker process mounts no memory
         self.client = open_store(launch.config, SEGMENT_BYTES if launch.world_size == 1 else 0)
         self.puts_failed = 0
+        self._block_bytes = sum(c.numel() // c.shape[block_dim] for c in caches) * caches[0].element_size()
 
     def _block(self, block: int) -> torch.Tensor:
         return torch.stack([c.select(self.block_dim, block) for c in self.caches])
 
     def save(self, pairs: list[tuple[int, int]]) -> None:
-        keys, values = [], []
-        for block, block_hash in pairs:
-            keys.append(block_key(self.prefix, block_hash, self.rank))
-            values.append(self._block(block).contiguous().view(torch.uint8).numpy().tobytes())
-        try:
-            codes = self.client.put_batch(keys, values)
-        except Exception as exc:  # a block not in the store is a later miss, nothing worse
-            logger.warning("KV store put failed: %s", exc)
-            self.puts_failed += len(keys)
-            return
-        self.puts_failed += sum(1 for c in (codes if isinstance(codes, list) else [codes]) if c not in (0, None))
+        # batches of at most half the client's transfer buffer: Mooncake refuses a larger put_batch whole
+        per_batch = max(1, (BUFFER_BYTES // 2) // max(1, self._block_bytes))
+        for i in range(0, len(pairs), per_batch):
+            keys, values = [], []
+            for block, block_hash in pairs[i:i + per_batch]:
+                keys.append(block_key(self.prefix, block_hash, self.rank))
+                values.append(self._block(block).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+            try:
+                code = self.client.put_batch(keys, values)
+            except Exception as exc:  # a block not in the store is a later miss, nothing worse
+                code = exc
+            if code not in (0, None):
+                self.puts_failed += len(keys)
+                logger.warning("KV store: putting %d blocks failed (%s); they will be misses", len(keys), code)
 
     def load(self, pairs: list[tuple[int, int]], data: dict[int, list[bytes]] | None = None) -> None:
         like = self._block(0)
@@ -250,7 +270,7 @@ class MooncakeStoreConnector(KVConnector):
             flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
             shares = flat.view(like.dtype).view(like.shape)
             for layer, cache in enumerate(self.caches):
-                cache.select(self.block_dim, block).copy_(shares[layer])
+                cache.select(self.block_dim, block).copy_(shares[layer].to(cache.device))
 
     def apply(self, transfers: KVTransfers) -> dict[str, str]:
         if transfers.save:
