@@ -8,6 +8,7 @@
 # PORT defaults to a free one; DIR to a new temporary folder. The pid and the log live in DIR, so a
 # stop, then a start on the same --port and --data-dir, is a restart that keeps the keys and leases.
 set -euo pipefail
+. "$(dirname "$0")/daemon.sh"
 
 usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
@@ -39,34 +40,14 @@ start() {
         --initial-cluster "heterollm-test=http://127.0.0.1:$peer" \
         >>"$data_dir/etcd.log" 2>&1 </dev/null &
     echo $! >"$data_dir/etcd.pid"
-    for _ in $(seq 1 100); do  # up to 10 s
-        if curl -sf --max-time 1 "http://127.0.0.1:$port/health" 2>/dev/null | grep -q '"health":"true"'; then
-            echo "127.0.0.1:$port"
-            return 0
-        fi
-        if ! kill -0 "$(cat "$data_dir/etcd.pid")" 2>/dev/null; then
-            echo "etcd.sh: etcd exited at start; last log lines:" >&2
-            tail -5 "$data_dir/etcd.log" >&2
-            exit 1
-        fi
-        sleep 0.1
-    done
-    echo "etcd.sh: etcd on 127.0.0.1:$port not healthy after 10 s (log: $data_dir/etcd.log)" >&2
-    exit 1
+    etcd_healthy() { curl -sf --max-time 1 "http://127.0.0.1:$port/health" 2>/dev/null | grep -q '"health":"true"'; }
+    wait_ready "$data_dir/etcd.pid" "$data_dir/etcd.log" "etcd.sh: etcd on 127.0.0.1:$port" etcd_healthy
+    echo "127.0.0.1:$port"
 }
 
 stop() {
     [ -n "$data_dir" ] || usage
-    local pid_file="$data_dir/etcd.pid"
-    [ -f "$pid_file" ] || { echo "etcd.sh: no etcd.pid in $data_dir" >&2; exit 1; }
-    local pid; pid=$(cat "$pid_file")
-    kill "$pid" 2>/dev/null || true
-    for _ in $(seq 1 100); do
-        kill -0 "$pid" 2>/dev/null || { rm -f "$pid_file"; return 0; }
-        sleep 0.1
-    done
-    kill -9 "$pid" 2>/dev/null || true
-    rm -f "$pid_file"
+    stop_pid_file "$data_dir/etcd.pid" "etcd.sh: etcd"
 }
 
 case $cmd in

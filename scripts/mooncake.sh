@@ -9,6 +9,7 @@
 # The ports default to free ones, DIR to a new temporary folder holding the pid and the log. The
 # master comes from the Python environment's Mooncake wheel (scripts/setup.sh installs it).
 set -euo pipefail
+. "$(dirname "$0")/daemon.sh"
 
 usage() { sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 PY=${PYTHON:-$(dirname "$0")/../.venv/bin/python}
@@ -47,34 +48,14 @@ start() {
         --http_metadata_server_port "$meta_port" --metrics_port "$admin" --enable_metric_reporting=false \
         >>"$dir/master.log" 2>&1 </dev/null &
     echo $! >"$dir/master.pid"
-    for _ in $(seq 1 100); do  # up to 10 s
-        if answers 127.0.0.1 "$port" && answers 127.0.0.1 "$meta_port"; then
-            echo "127.0.0.1:$port http://127.0.0.1:$meta_port/metadata"
-            return 0
-        fi
-        if ! kill -0 "$(cat "$dir/master.pid")" 2>/dev/null; then
-            echo "mooncake.sh: mooncake_master exited at start; last log lines:" >&2
-            tail -5 "$dir/master.log" >&2
-            exit 1
-        fi
-        sleep 0.1
-    done
-    echo "mooncake.sh: mooncake_master on 127.0.0.1:$port not answering after 10 s (log: $dir/master.log)" >&2
-    exit 1
+    both_answer() { answers 127.0.0.1 "$port" && answers 127.0.0.1 "$meta_port"; }
+    wait_ready "$dir/master.pid" "$dir/master.log" "mooncake.sh: mooncake_master on 127.0.0.1:$port" both_answer
+    echo "127.0.0.1:$port http://127.0.0.1:$meta_port/metadata"
 }
 
 stop() {
     [ -n "$dir" ] || usage
-    local pid_file="$dir/master.pid"
-    [ -f "$pid_file" ] || { echo "mooncake.sh: no master.pid in $dir" >&2; exit 1; }
-    local pid; pid=$(cat "$pid_file")
-    kill "$pid" 2>/dev/null || true
-    for _ in $(seq 1 100); do
-        kill -0 "$pid" 2>/dev/null || { rm -f "$pid_file"; return 0; }
-        sleep 0.1
-    done
-    kill -9 "$pid" 2>/dev/null || true
-    rm -f "$pid_file"
+    stop_pid_file "$dir/master.pid" "mooncake.sh: mooncake_master"
 }
 
 case $cmd in

@@ -20,7 +20,7 @@ from heterollm import envs
 from heterollm.config import ConfigError, LoadedConfig
 from heterollm.config.checks import engine_replicas
 from heterollm.config.base import FlagGroup, flag
-from heterollm.service.instance import Load
+from heterollm.service.instance import Load, advertised_host
 
 logger = logging.getLogger("heterollm.server")
 
@@ -72,16 +72,6 @@ def make_registrar(cfg, model_name: str, host: str, port: int):
     if dist.etcd_addr:
         return EtcdRegistrar(dist.etcd_addr, dist.etcd_namespace, dist.etcd_ttl, info, idle, dist.heart_beat_interval)
     return XServiceRegistrar(dist.xservice_address, info, idle, dist.heart_beat_interval)
-
-
-def advertised_host(host: str) -> str:
-    """The address other hosts reach this one at: `host`, or this host's own for a wildcard."""
-    if host not in ("", "0.0.0.0", "::"):
-        return host
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
 
 
 def replicas_load(replicas) -> Load:

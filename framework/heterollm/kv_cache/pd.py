@@ -23,6 +23,7 @@ import torch
 
 from heterollm.config import ConfigError
 from heterollm.interfaces.kv_connector import KVConnector, KVPull, KVTransfers, PeerRank
+from heterollm.service.instance import advertised_host
 
 if TYPE_CHECKING:
     from heterollm.config import HeterollmConfig
@@ -109,7 +110,7 @@ class MooncakeTransferConnector(KVConnector):
         config = launch.config
         self.caches = caches
         self.rank, self.tp = launch.rank, config.parallel.tp_size
-        host = _advertised(config.server.host)
+        host = advertised_host(config.server.host)
         port = config.pd.transfer_listen_port + self.rank
         self.engine = TransferEngine()
         if self.engine.initialize(f"{host}:{port}", "P2PHANDSHAKE", "tcp", "") != 0:
@@ -185,17 +186,6 @@ class MooncakeTransferConnector(KVConnector):
                 except Exception:
                     pass
         self.caches = []
-
-
-def _advertised(host: str) -> str:
-    if host not in ("", "0.0.0.0", "::"):
-        return host
-    import socket
-
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
 
 
 def peers_from(params: dict[str, Any]) -> tuple[PeerRank, ...]:

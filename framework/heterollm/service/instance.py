@@ -13,7 +13,18 @@ Ours in addition: `role`, `http_address`, `model`, `block_size`, `load_metrics.r
 from __future__ import annotations
 
 import json
+import socket
 from dataclasses import asdict, dataclass, field
+
+def advertised_host(host: str) -> str:
+    """The address other hosts reach this one at: `host`, or this host's own for a wildcard."""
+    if host not in ("", "0.0.0.0", "::"):
+        return host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
 
 ROLES = ("DEFAULT", "PREFILL", "DECODE", "MIX")
 """xLLM's InstanceType, in its proto's order (the number is the `type` field)."""
