@@ -90,6 +90,16 @@ def test_saves_come_before_loads_and_a_slot_being_loaded_is_not_reused():
     assert m.match_prefix("a3", a) == 0
 
 
+def test_a_host_tier_needs_a_slot_and_starts_empty():
+    with pytest.raises(ValueError, match=r"^the host tier needs at least one slot, got 0$"):
+        HostTier(0)
+    with pytest.raises(ValueError, match=r"got -1$"):
+        HostTier(-1)
+    tier = HostTier(1)
+    assert (tier.num_slots, tier.num_used, tier.saved, tier.loaded, tier.dropped) == (1, 0, 0, 0, 0)
+    assert tier.take_transfers() is None
+
+
 def test_host_slots_are_evicted_least_recently_used_and_a_full_tier_drops():
     tier = HostTier(2)
     tier.spill(0, 11)
@@ -102,6 +112,27 @@ def test_host_slots_are_evicted_least_recently_used_and_a_full_tier_drops():
     tier.pin([11, 33])
     tier.spill(4, 44)  # every slot is about to be read: nothing to give
     assert tier.dropped == 1 and tier.lookup(44) is None
+    tier.spill(5, 55)
+    assert tier.dropped == 2 and tier.saved == 3
+
+
+def test_a_reset_frees_every_slot_and_the_ones_being_read_once_their_loads_are_handed_out():
+    tier = HostTier(3)
+    for block, h in enumerate((11, 22, 33)):
+        tier.spill(block, h)
+    tier.take_transfers()
+    read = tier.lookup(11)
+    tier.load(11, 5)  # this slot is being read by the next step
+    tier.clear()
+    assert tier.num_used == 0 and tier.lookup(11) is None and tier.lookup(22) is None
+    tier.spill(8, 44)
+    tier.spill(9, 55)  # the two slots not being read: neither evicts the other
+    assert tier.num_used == 2 and tier.dropped == 0
+    assert {tier.lookup(44), tier.lookup(55)} == {0, 1, 2} - {read}
+    t = tier.take_transfers()
+    assert t.load == [(read, 5)]
+    tier.spill(10, 66)  # the read slot is free again: nothing evicted
+    assert tier.lookup(66) == read and tier.num_used == 3 and tier.dropped == 0
 
 
 def test_reset_prefix_cache_forgets_the_host_tier_and_frees_slots_after_pending_loads():
@@ -130,6 +161,84 @@ def test_no_block_leaks_through_spills_and_loads():
     assert m.host.num_used <= 5 and m.host.loaded > 0
 
 
+def test_a_later_match_forgets_host_hits_an_earlier_one_found():
+    """A waiting request found its prefix in the host tier; before its admission another request
+    loaded those blocks back onto the device. Its next match finds them on the device, and its
+    admission shares them and loads nothing."""
+    m = kv(num_blocks=3)
+    a, b = prompt(100), prompt(200)
+    run(m, "a", a)
+    run(m, "b", b)  # a's 2 full blocks go to the host
+    moves(m)
+    assert m.match_prefix("r", a) == 2 * BS  # from the host; r waits
+    assert m.match_prefix("s", a) == 2 * BS
+    s_table = list(m.allocate("s", len(a)))
+    m.commit("s", a, len(a))
+    assert len(moves(m).load) == 2
+    m.free("s")
+    assert m.match_prefix("r", a) == 2 * BS  # on the device now
+    table = m.allocate("r", len(a))
+    assert table[:2] == s_table[:2]
+    assert moves(m) is None, "nothing to load for r"
+    assert m.host.loaded == 2
+
+
+def test_a_refused_allocation_drops_the_host_matches():
+    """allocate returns None with the matched blocks dropped: a later allocate without a new match
+    loads nothing from the host tier."""
+    m = kv(num_blocks=3)
+    a, b = prompt(100), prompt(200)
+    run(m, "a", a)
+    run(m, "b", b)  # a's 2 full blocks go to the host
+    moves(m)
+    assert m.match_prefix("r", a) == 2 * BS
+    assert m.allocate("o", 3 * BS) is not None  # the whole pool
+    assert m.allocate("r", len(a)) is None
+    m.free("o")
+    moves(m)
+    assert len(m.allocate("r", len(a))) == 3
+    assert moves(m) is None and m.host.loaded == 0 and m.host_hits == 0
+
+
+def test_hit_counters_add_up_over_requests():
+    m = kv(num_blocks=3)
+    a, b = prompt(100), prompt(200)
+    run(m, "a", a)
+    run(m, "b", b)  # a's 2 full blocks go to the host
+    assert run(m, "a2", a) == 2 * BS  # from the host; loading them evicts b's 2 to the host
+    assert run(m, "b2", b) == 2 * BS  # from the host
+    assert m.host.loaded == 4
+    assert (m.queries, m.hits, m.host_hits) == (4 * len(a), 4 * BS, 4 * BS)
+
+
+def test_host_blocks_must_continue_a_fully_committed_table():
+    """r holds one block it has not committed; a match from block 1 finds a's block 1 in the host:
+    loading it after an uncommitted block is refused."""
+    m = kv(num_blocks=3)
+    a, b = prompt(100), prompt(200)
+    run(m, "a", a)
+    run(m, "b", b)  # a's 2 full blocks go to the host
+    m.allocate("r", BS)  # block 0 of r: written, not committed
+    assert m.match_prefix("r", a, start_block=1) == BS
+    with pytest.raises(RuntimeError, match="^r: host-tier blocks must continue a fully committed table$"):
+        m.allocate("r", len(a))
+
+
+def test_the_tier_needs_the_prefix_cache_and_drop_forgets_host_matches():
+    with pytest.raises(ValueError, match=r"^the host tier keeps prefix-cache blocks: it needs the prefix cache$"):
+        KVCacheManager(4, BS, host_slots=2)
+    m = kv(num_blocks=3)
+    a, b = prompt(100), prompt(200)
+    run(m, "a", a)
+    run(m, "b", b)  # a's 2 full blocks go to the host
+    moves(m)
+    assert m.match_prefix("r", a) == 2 * BS
+    m.drop("r")  # e.g. aborted while waiting
+    assert len(m.allocate("r", len(a))) == 3  # fresh blocks: evicts b's 2 cached ones to the host
+    t = moves(m)
+    assert t.load == [] and len(t.save) == 2 and m.host.loaded == 0
+
+
 def test_host_slots_for_the_flags():
     def cfg(*argv):
         return load_config(["--model", "m", *argv]).config
@@ -137,6 +246,10 @@ def test_host_slots_for_the_flags():
     assert host_slots_for(cfg("--host_blocks_factor", "2.5"), 100, 1 << 20) == 250
     assert host_slots_for(cfg("--swap_space", "0.5"), 100, 1 << 20) == 512  # GiB / bytes per block
     assert host_slots_for(cfg("--swap_space", "0.5", "--host_blocks_factor", "8"), 100, 1 << 20) == 800
+    # a block of no bytes (nothing to size by): --swap_space gives no slots, the factor still does
+    assert host_slots_for(cfg("--swap_space", "0.5"), 100, 0) == 0
+    assert host_slots_for(cfg("--swap_space", "0.5", "--host_blocks_factor", "2"), 100, 0) == 200
+    assert host_slots_for(cfg("--swap_space", "0.5"), 100, 1) == 2**29  # one byte a block
 
 
 def test_connector_copies_blocks_along_the_backends_block_dimension():
@@ -155,6 +268,20 @@ def test_connector_copies_blocks_along_the_backends_block_dimension():
     conn.apply(KVTransfers(save=[(3, 3)], load=[(3, 4)]))
     for c, o in zip(caches, original):
         assert torch.equal(c[:, :, 4], o[:, :, 3])
+
+
+def test_connector_slots_keep_the_caches_dtype():
+    caches = [torch.randn(2, 3, 5, BS, 8).to(torch.float16)]
+    original = caches[0].clone()
+    conn = HostMemoryConnector(None, caches, 2, 4)
+    assert conn.slots[0].dtype == torch.float16 and conn.slots[0].device.type == "cpu"
+    assert conn.nbytes == 2 * 3 * 4 * BS * 8 * 2  # 4 slots of the cache's shape, 2 bytes an element
+    conn.apply(KVTransfers(save=[(4, 1)]))
+    caches[0][:, :, 4].zero_()
+    conn.apply(KVTransfers(load=[(1, 4)]))
+    assert torch.equal(caches[0], original)
+    conn.close()  # lets go of the slots and the caches
+    assert conn.nbytes == 0 and conn.slots == [] and conn.caches == []
 
 
 # -- the engine, end to end ----------------------------------------------------------------------
@@ -230,6 +357,50 @@ def test_launch_checks():
     sel = resolve(load_config(["--model", "m", "--host_blocks_factor", "2"]).config, Registry.discover(),
                   ["LlamaForCausalLM"])
     assert sel.components["kv_connectors.host"].obj is HostMemoryConnector
+
+
+def test_launch_checks_say_the_whole_problem_naming_the_flag_that_sized_the_tier():
+    from heterollm.kv_cache.host_tier import host_tier_problems
+
+    def problems(*argv):
+        return host_tier_problems(load_config(["--model", "m", *argv]).config)
+
+    assert problems() == [] and problems("--enable_prefix_cache", "false") == [], "no tier: nothing to check"
+    assert problems("--host_blocks_factor", "0.5") == []
+    needs = "the host tier keeps prefix-cache blocks (by hash): it needs --enable_prefix_cache"
+    assert problems("--host_blocks_factor", "0.5", "--enable_prefix_cache", "false") == [f"--host_blocks_factor: {needs}"]
+    assert problems("--swap_space", "1", "--enable_prefix_cache", "false") == [f"--swap_space: {needs}"]
+    assert problems("--host_blocks_factor", "2", "--dp_size", "2", "--ep_size", "2") == [
+        "--host_blocks_factor: the host tier is not built for attention data parallelism (--dp_size with "
+        "--enable_attention_dp / MoE): each DP rank keeps its own pool"]
+    assert problems("--swap_space", "1", "--draft_model", "d") == [
+        "--swap_space: a draft model keeps its own KV cache, which the host tier does not move: not served with "
+        "--draft_model"]
+
+
+def test_host_available_bytes_reads_memavailable_else_the_free_pages(monkeypatch):
+    import io
+
+    from heterollm.kv_cache import host_tier
+
+    def meminfo(text):
+        def fake_open(path, *args, **kwargs):
+            assert path == "/proc/meminfo"
+            return io.StringIO(text)
+        return fake_open
+
+    pages = {"SC_AVPHYS_PAGES": 7, "SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(host_tier.os, "sysconf", lambda name: pages[name])
+    monkeypatch.setattr(host_tier, "open", meminfo("MemTotal:  16000 kB\nMemFree:  1000 kB\nMemAvailable:  4200 kB\n"),
+                        raising=False)
+    assert host_tier.host_available_bytes() == 4200 * 1024
+    monkeypatch.setattr(host_tier, "open", meminfo("MemTotal:  16000 kB\nMemFree:  1000 kB\n"), raising=False)
+    assert host_tier.host_available_bytes() == 7 * 4096, "an old kernel: no MemAvailable line"
+
+    def unreadable(path, *args, **kwargs):
+        raise PermissionError(path)
+    monkeypatch.setattr(host_tier, "open", unreadable, raising=False)
+    assert host_tier.host_available_bytes() == 7 * 4096
 
 
 def test_a_vendor_family_ships_its_own_host_connector(fake_dists):

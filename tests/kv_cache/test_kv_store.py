@@ -474,6 +474,21 @@ def test_the_store_connectors_apply_returns_no_failed_requests(monkeypatch):
     assert problems and type(conn).validate(cfg()) == problems, "the connector's launch checks are the store's"
 
 
+def test_only_a_single_process_engine_mounts_memory_into_the_store(monkeypatch):
+    """A one-rank engine's connector shares the engine's client, which mounts 512 MiB into the store;
+    with several ranks each rank's client mounts none (its puts and gets use the master's segments)."""
+    from types import SimpleNamespace
+
+    from heterollm.kv_cache import store_tier
+
+    opened = []
+    monkeypatch.setattr(store_tier, "open_store", lambda config, segment: opened.append(segment) or FakeClient())
+    for world_size in (1, 2, 4):
+        launch = SimpleNamespace(rank=0, world_size=world_size, config=cfg(), source=SimpleNamespace(hf_config=FakeHF()))
+        store_tier.MooncakeStoreConnector(launch, [torch.zeros(2, 1, 2, BS, 2)], 2, 0)
+    assert opened == [512 << 20, 0, 0]
+
+
 def test_failed_puts_are_counted_and_logged(monkeypatch, caplog):
     """Mooncake's put_batch answers one code for the whole batch (its signature: -> int): a nonzero
     code or an exception fails every key of that batch, counted and logged."""
@@ -494,6 +509,17 @@ def test_failed_puts_are_counted_and_logged(monkeypatch, caplog):
     assert conn.puts_failed == 4
     assert caplog.messages == ["KV store: putting 2 blocks failed (-600); they will be misses",
                                "KV store: putting 2 blocks failed (master gone); they will be misses"]
+
+
+def test_a_one_block_cache_saves_and_loads(monkeypatch):
+    client = FakeClient()
+    cache = torch.randn(2, 1, 1, BS, 2)  # a pool of one block
+    conn = connector(monkeypatch, client, 0, [cache], world_size=1)
+    conn.save([(0, 0x5)])
+    fresh = torch.zeros_like(cache)
+    connector(monkeypatch, client, 0, [fresh], world_size=1).load(
+        [(0x5, 0)], {0x5: [client.data[block_key(conn.prefix, 0x5, 0)]]})
+    assert torch.equal(fresh, cache)
 
 
 def test_open_store_sets_a_client_up_once_per_address(monkeypatch):

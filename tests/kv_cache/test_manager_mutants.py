@@ -131,6 +131,26 @@ def test_clearing_the_cache_turns_idle_cached_blocks_into_plain_free_ones():
     assert pool.cache(0, 200), "the name block 0 held before the clear is free to take again"
 
 
+def test_a_blocks_generation_counts_the_times_it_stopped_naming_a_prefix():
+    """BlockPool.generation: per block, how many times it stopped naming a prefix (a pending KV store
+    put compares it). Uncaching a block that names nothing changes nothing; clearing the cache ends
+    every name at once."""
+    pool = BlockPool(3)
+    assert pool.generation == [0, 0, 0]
+    pool.cache(0, 11)
+    pool.uncache(0)
+    assert pool.generation[0] == 1
+    pool.uncache(0)  # names nothing now
+    assert pool.generation[0] == 1
+    pool.cache(0, 11)
+    pool.uncache(0)
+    assert pool.generation[0] == 2
+    pool.cache(0, 11)
+    pool.cache(1, 22)
+    pool.clear_cache()
+    assert pool.generation[:2] == [3, 1]
+
+
 def test_idle_limit_evicts_the_lru_idle_block_beyond_the_limit():
     # limit 1 with two idle cached blocks: beyond the limit, the least recently freed one is evicted
     # before an untouched block is touched

@@ -182,6 +182,78 @@ def test_launch_checks_name_the_flag():
     assert any(p.startswith("--innode_prefill_ports:") for p in problems("--innode_prefill_ports", "8001"))
 
 
+def test_the_role_comes_from_instance_role_or_splitwise_role():
+    from heterollm.kv_cache.pd import is_disaggregated, pd_role
+
+    def role(*argv):
+        config = load_config(["--model", "m", *argv]).config
+        return pd_role(config), is_disaggregated(config)
+
+    assert role() == ("DEFAULT", False)
+    assert role("--instance_role", "MIX") == ("MIX", False)
+    assert role("--instance_role", "PREFILL") == ("PREFILL", True)
+    assert role("--instance_role", "DECODE") == ("DECODE", True)
+    assert role("--splitwise_role", "prefill") == ("PREFILL", True)
+    assert role("--splitwise_role", "decode", "--instance_role", "PREFILL") == ("DECODE", True)
+    assert role("--splitwise_role", "mixed", "--instance_role", "DECODE") == ("DECODE", True)
+
+
+def test_launch_checks_say_the_whole_problem():
+    from heterollm.kv_cache.pd import pd_problems
+
+    def problems(*argv):
+        return pd_problems(load_config(["--model", "m", *argv]).config)
+
+    pull = ("--kv_cache_transfer_mode", "PULL")
+    assert problems() == []
+    assert problems("--instance_role", "PREFILL", *pull) == []
+    assert problems("--splitwise_role", "prefill", "--instance_role", "PREFILL", *pull) == []
+    assert problems("--splitwise_role", "decode", "--instance_role", "PREFILL", *pull) == [
+        "--splitwise_role=decode contradicts --instance_role=PREFILL"]
+    assert problems("--disagg_pd_port", "7000") == [
+        "--disagg_pd_port: heterollm's instances exchange PD control over their HTTP API port (the router calls "
+        "/v1/kv_transfer/release there); there is no separate bRPC server to place"]
+    assert problems("--innode_prefill_ports", "8001") == [
+        "--innode_prefill_ports: FastDeploy's in-node prefill engine ports; heterollm's PREFILL instances are "
+        "reached through the router (heterollm route --prefill_instances / etcd)"]
+    assert problems("--enable_disagg_pd") == [
+        "--enable_disagg_pd: needs --instance_role PREFILL or DECODE (or --splitwise_role prefill / decode)"]
+    assert problems("--instance_role", "MIX", *pull, "--transfer_listen_port", "27000", "--kv_push_dst_rotate") == [
+        f"--{name}: only a PREFILL or DECODE instance transfers KV (--instance_role)"
+        for name in ("kv_cache_transfer_mode", "transfer_listen_port", "kv_push_dst_rotate")]
+    assert problems("--instance_role", "PREFILL") == [
+        "--instance_role=PREFILL with --kv_cache_transfer_mode=PUSH: not built yet (the prefill instance writing "
+        "into blocks the decode instance reserved); --kv_cache_transfer_mode=PULL works: the decode instance reads "
+        "the prefill instance's blocks"]
+    assert problems("--instance_role", "DECODE", *pull, "--kv_push_dst_rotate") == [
+        "--kv_push_dst_rotate: rotates PUSH destinations; only PULL is built"]
+    assert problems("--instance_role", "DECODE", *pull, "--dp_size", "2", "--ep_size", "2") == [
+        "--instance_role=DECODE: not built with attention data parallelism"]
+    assert problems("--instance_role", "PREFILL", *pull, "--draft_model", "d") == [
+        "--instance_role=PREFILL: a draft model's KV cache is not transferred: not served with --draft_model"]
+    assert problems("--instance_role", "PREFILL", *pull, "--nnodes", "2") == [
+        "--instance_role=PREFILL: one node per instance (--nnodes > 1 is not built for PD)"]
+
+
+def test_peers_from_reads_each_rank_and_names_what_is_wrong():
+    from heterollm.interfaces.kv_connector import PeerRank
+    from heterollm.kv_cache.pd import peers_from
+
+    rank = {"addr": "h:1", "ptrs": [10, "20"], "shape": [2, 4, 40, 8, 16], "dtype": "torch.float32"}
+    assert peers_from({"remote_ranks": [rank, {**rank, "addr": 5}]}) == (
+        PeerRank(addr="h:1", ptrs=(10, 20), shape=(2, 4, 40, 8, 16), dtype="torch.float32"),
+        PeerRank(addr="5", ptrs=(10, 20), shape=(2, 4, 40, 8, 16), dtype="torch.float32"))
+    for params in ({}, {"remote_ranks": []}, {"remote_ranks": "x"}):
+        with pytest.raises(ValueError, match=r"^remote_ranks must be a non-empty list$"):
+            peers_from(params)
+    for bad in ({k: v for k, v in rank.items() if k != "dtype"}, {**rank, "ptrs": ["x"]}, {**rank, "ptrs": 5},
+                {**rank, "shape": None}):
+        with pytest.raises(ValueError, match=r"^remote_ranks\[1\] needs addr, ptrs, shape and dtype$"):
+            peers_from({"remote_ranks": [rank, bad]})
+    with pytest.raises(ValueError, match=r"^remote_ranks\[0\]\.shape must have 5 dimensions$"):
+        peers_from({"remote_ranks": [{**rank, "shape": [2, 4, 40, 8]}]})
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tp_p,tp_d", [(1, 2), (2, 1)])
 def test_different_tensor_parallel_sizes(tiny, prompts, tp_p, tp_d):
