@@ -6,6 +6,7 @@ the PD flags' launch checks."""
 from __future__ import annotations
 
 import random
+import re
 import socket
 from pathlib import Path
 
@@ -112,14 +113,20 @@ def test_the_decode_instances_prefix_cache_skips_blocks_it_holds(prompts, instan
     assert b.metrics.num_cached_tokens == 32 and b.outputs[0].token_ids == a.outputs[0].token_ids
 
 
-def test_a_pull_from_a_dead_peer_ends_that_request_only(prompts, instances):
+def test_a_pull_from_a_dead_peer_ends_that_request_only(prompts, instances, caplog):
     p, d = instances
     kv = prefill(p, prompts[2])
-    bad = {**kv, "remote_ranks": [{**kv["remote_ranks"][0], "addr": f"127.0.0.1:{free_port()}"}]}
+    dead = f"127.0.0.1:{free_port()}"
+    bad = {**kv, "remote_ranks": [{**kv["remote_ranks"][0], "addr": dead}]}
     free_d = d.kv.num_free_blocks
     d.add_request(prompts[2], greedy(), request_id="doomed", kv_transfer_params=bad)
     d.add_request(prompts[1], greedy(), request_id="plain")
-    outs = {o.request_id: o for o in drain(d)}
+    with caplog.at_level("WARNING", logger="heterollm.kv_cache.pd"):
+        outs = {o.request_id: o for o in drain(d)}
+    # the connector logs the request and why: its one rank's read from the dead address failed
+    assert [m for m in caplog.messages if m.startswith("KV pull")] and all(
+        m.startswith(f"KV pull for doomed failed: reading from the prefill instance's rank 0 ({dead}) failed")
+        for m in caplog.messages if m.startswith("KV pull"))
     assert outs["doomed"].outputs[0].finish_reason == "error"
     assert "pulling the prompt's KV failed" in outs["doomed"].error and "127.0.0.1:" in outs["doomed"].error
     assert outs["plain"].outputs[0].finish_reason == "length" and outs["plain"].error is None
@@ -233,6 +240,27 @@ def test_launch_checks_say_the_whole_problem():
         "--instance_role=PREFILL: a draft model's KV cache is not transferred: not served with --draft_model"]
     assert problems("--instance_role", "PREFILL", *pull, "--nnodes", "2") == [
         "--instance_role=PREFILL: one node per instance (--nnodes > 1 is not built for PD)"]
+
+
+def test_the_transfer_connector_refuses_a_cache_of_another_layout_and_only_pulls():
+    """It moves caches laid out (K/V, heads, blocks, block size, head dim) along dimension 2: anything
+    else (MLA's latent cache, another backend's layout) is refused before Mooncake is touched."""
+    import torch
+
+    from heterollm.config import ConfigError
+    from heterollm.kv_cache.pd import MooncakeTransferConnector
+
+    good = torch.zeros(2, 2, 4, 8, 16)
+    cases = [([], 2, ()), ([torch.zeros(2, 4, 8, 16)], 2, (2, 4, 8, 16)), ([good], 3, (2, 2, 4, 8, 16)),
+             ([torch.zeros(3, 2, 4, 8, 16), good], 2, (3, 2, 4, 8, 16))]
+    for caches, block_dim, shape in cases:
+        with pytest.raises(ConfigError, match=r"^--instance_role: PD disaggregation moves caches laid out \(K/V, "
+                                              r"heads, blocks, block size, head dim\); this model's cache is "
+                                              + re.escape(str(shape)) + r" \(MLA caches are not built\)$"):
+            MooncakeTransferConnector(None, caches, block_dim, 0)
+    for method in (MooncakeTransferConnector.save, MooncakeTransferConnector.load):
+        with pytest.raises(NotImplementedError, match=r"^the transfer connector only pulls$"):
+            method(None, [(0, 0)])
 
 
 def test_peers_from_reads_each_rank_and_names_what_is_wrong():
