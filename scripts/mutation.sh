@@ -50,7 +50,7 @@ for line in text.splitlines(keepends=True):  # drop the [tool.mutmut.modules] ta
     if not skipping:
         lines.append(line)
 text = "".join(lines)
-text = re.sub(r"(?m)^also_copy = .*$", 'also_copy = ["src/", "README.md"]', text)
+text = re.sub(r"(?m)^also_copy = .*$", 'also_copy = ["src/", "README.md", "scripts/"]', text)  # fixtures start scripts/*.sh
 text = re.sub(r"(?m)^source_paths = .*$", "source_paths = " + repr(entry["paths"]).replace("'", '"'), text)
 text = re.sub(r"(?m)^pytest_add_cli_args_test_selection = .*$",
               "pytest_add_cli_args_test_selection = " + repr(entry["tests"]).replace("'", '"'), text)

@@ -90,6 +90,7 @@ def test_unreachable_etcd_is_a_launch_error_naming_the_flag():
     assert time.monotonic() - start < 5
 
 
+@pytest.mark.slow  # a CLI process (~5-12 s); the in-process launch check stays in the default run
 def test_unreachable_etcd_exits_2_in_one_line(cli, tiny_llama):
     port = free_port()
     r = cli("serve", "--model", str(tiny_llama), "--host=127.0.0.1", f"--port={free_port()}",

@@ -5,6 +5,8 @@ xservice endpoint), dropped when their lease or heartbeats stop; PREFILL or DECO
 not routed to (test_router_pd.py: the two together)."""
 from __future__ import annotations
 
+import pytest
+
 import json
 import time
 
@@ -147,6 +149,7 @@ def test_policy_picks_the_least_loaded_serving_the_model():
     assert policy.route(pool, None, set()).target.name == "c:1"
 
 
+@pytest.mark.slow  # a CLI process (~5-12 s); the in-process launch check stays in the default run
 def test_route_launch_errors_are_one_line(cli):
     etcd_port = free_port()
     r = cli("route", "--host=127.0.0.1", f"--port={free_port()}", f"--etcd_addr=127.0.0.1:{etcd_port}", timeout=60)

@@ -4,6 +4,8 @@ P, another P or D when one cannot be reached, a failed KV pull retried once on a
 on, 503 at once without a P or a D, and whole requests still served by MIX instances."""
 from __future__ import annotations
 
+import pytest
+
 import json
 import time
 from contextlib import ExitStack
@@ -229,6 +231,7 @@ def test_policy_disaggregates_only_with_both_roles():
     assert policy.route(pool, "m", set()) is None  # no DEFAULT or MIX instance
 
 
+@pytest.mark.slow  # a CLI process (~5-12 s); the in-process launch check stays in the default run
 def test_route_refuses_kv_push_dst_rotate(cli):
     r = cli("route", "--kv_push_dst_rotate=true", f"--port={free_port()}", timeout=60)
     assert r.rc == 2 and "Traceback" not in r.err

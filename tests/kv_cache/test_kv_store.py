@@ -627,6 +627,7 @@ def test_the_probe_checks_an_http_metadata_server_and_takes_a_4xx_as_an_answer()
         master.close()
 
 
+@pytest.mark.slow  # a CLI process (~5-12 s); the in-process launch check stays in the default run
 def test_the_cli_refuses_an_unreachable_master_with_exit_code_2(tmp_path):
     folder = build_tiny_model(tmp_path / "m", "llama")
     out = subprocess.run([str(Path(sys.executable).parent / "heterollm"), "generate", "--model", str(folder),
