@@ -41,6 +41,7 @@ def test_registration_records_role_address_model_and_load(etcd, namespace):
     assert client.get(key) is None  # the lease was revoked: gone at once, not after the TTL
 
 
+@pytest.mark.slow  # real etcd / Mooncake timing (3-14 s): run in the slow CI step
 def test_stopped_heartbeats_expire_within_ttl_plus_interval(etcd, namespace):
     client = etcd.client()
     reg = _registrar(etcd, namespace, ttl=1, interval=0.2)
@@ -56,6 +57,7 @@ def test_stopped_heartbeats_expire_within_ttl_plus_interval(etcd, namespace):
     assert time.monotonic() - stopped < 1 + 0.2 + 2.0
 
 
+@pytest.mark.slow  # real etcd / Mooncake timing (3-14 s): run in the slow CI step
 def test_registers_again_after_etcd_restart_and_a_lost_lease(etcd, namespace):
     client = etcd.client()
     loads = {"running": 0}

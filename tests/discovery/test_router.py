@@ -69,6 +69,7 @@ def test_no_instance_is_503_at_once():
             assert httpx.get(router + "/health", timeout=5).status_code == 503
 
 
+@pytest.mark.slow  # real etcd / Mooncake timing (3-14 s): run in the slow CI step
 def test_instances_from_etcd_are_routed_and_dropped_when_their_lease_ends(etcd, namespace, instance):
     settings = RouterSettings(etcd_addr=etcd.address, etcd_namespace=namespace, heart_beat_interval=0.2)
     info = InstanceInfo(name=_name(instance), model="tiny")

@@ -650,6 +650,7 @@ print("RESULT " + json.dumps([outs, llm.engine.stats()["prefix_store_hits"]]))
 """
 
 
+@pytest.mark.slow  # real etcd / Mooncake timing (3-14 s): run in the slow CI step
 def test_a_second_instance_hits_the_first_ones_blocks(mooncake, tmp_path):
     from heterollm import LLM, SamplingParams
 

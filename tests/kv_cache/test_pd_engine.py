@@ -179,7 +179,7 @@ def test_launch_checks_name_the_flag():
     assert not problems("--instance_role", "DECODE", "--kv_cache_transfer_mode", "PULL")
     assert not problems("--splitwise_role", "prefill", "--kv_cache_transfer_mode", "PULL", "--enable_disagg_pd")
     assert any("contradicts" in p for p in problems("--splitwise_role", "decode", "--instance_role", "PREFILL"))
-    assert any(p.startswith("--enable_disagg_pd: needs --instance_role") for p in problems("--enable_disagg_pd"))
+    assert any(p.startswith("--enable_disagg_pd=true: needs --instance_role") for p in problems("--enable_disagg_pd"))
     assert any(p.startswith("--transfer_listen_port: only a PREFILL or DECODE")
                for p in problems("--transfer_listen_port", "27000"))
     assert any(p.startswith("--disagg_pd_port:") for p in problems("--disagg_pd_port", "7000"))
@@ -224,7 +224,7 @@ def test_launch_checks_say_the_whole_problem():
         "--innode_prefill_ports: FastDeploy's in-node prefill engine ports; heterollm's PREFILL instances are "
         "reached through the router (heterollm route --prefill_instances / etcd)"]
     assert problems("--enable_disagg_pd") == [
-        "--enable_disagg_pd: needs --instance_role PREFILL or DECODE (or --splitwise_role prefill / decode)"]
+        "--enable_disagg_pd=true: needs --instance_role PREFILL or DECODE (or --splitwise_role prefill / decode)"]
     assert problems("--instance_role", "MIX", *pull, "--transfer_listen_port", "27000", "--kv_push_dst_rotate") == [
         f"--{name}: only a PREFILL or DECODE instance transfers KV (--instance_role)"
         for name in ("kv_cache_transfer_mode", "transfer_listen_port", "kv_push_dst_rotate")]

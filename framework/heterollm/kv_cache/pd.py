@@ -63,8 +63,8 @@ def pd_problems(config: HeterollmConfig) -> list[str]:
                    "instances are reached through the router (heterollm route --prefill_instances / etcd)")
     if role not in ("PREFILL", "DECODE"):
         if pd.enable_disagg_pd:
-            out.append("--enable_disagg_pd: needs --instance_role PREFILL or DECODE (or --splitwise_role prefill / "
-                       "decode)")
+            out.append("--enable_disagg_pd=true: needs --instance_role PREFILL or DECODE (or --splitwise_role prefill "
+                       "/ decode)")
         for name in ("kv_cache_transfer_mode", "transfer_listen_port", "kv_push_dst_rotate"):
             if getattr(pd, name) != getattr(defaults, name):
                 out.append(f"--{name}: only a PREFILL or DECODE instance transfers KV (--instance_role)")
