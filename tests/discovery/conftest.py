@@ -3,6 +3,7 @@ uvicorn in a thread. This folder is a package so that its conftest does not take
 `conftest` from tests/conftest.py (test modules elsewhere import helpers from it by that name)."""
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import threading
@@ -109,3 +110,14 @@ def instance(tiny_llama) -> Iterator[str]:
     engine = LLMEngine(load_config([], overrides=flags).config)
     with running_app(OpenAIServer(engine, ServerSettings(served_model_names=["tiny"])).app) as url:
         yield url
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM a process started by a test, wait up to 30 s, then kill it."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -25,7 +25,7 @@ from fastapi.responses import Response
 
 from heterollm.service.router import Router, RouterSettings
 
-from .conftest import free_port, running_app, wait_for
+from .conftest import free_port, running_app, stop_process, wait_for
 
 COMPLETION = {"model": "tiny", "prompt": "The quick brown fox jumps over", "max_tokens": 6, "temperature": 0,
               "ignore_eos": True}
@@ -100,13 +100,7 @@ def _healthy(proc: subprocess.Popen, url: str, log: Path) -> bool:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    stop_process(proc)
 
 
 def free_blocks(url: str) -> float:

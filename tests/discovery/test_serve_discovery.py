@@ -15,7 +15,7 @@ import pytest
 
 from heterollm.service.instance import instance_key
 
-from .conftest import free_port, wait_for
+from .conftest import free_port, stop_process, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -64,10 +64,4 @@ def test_serve_registers_route_finds_it_sigterm_revokes(etcd, namespace, tiny_ll
                  "the router kept the instance")
     finally:
         for proc in (serve, route):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            stop_process(proc)
