@@ -6,10 +6,11 @@
 A mixed load: long prompts that write few tokens (--long-len in, --long-out out) interleaved with
 short chats (--short-len in, --short-out out), from --concurrency streaming clients. (a) one
 `heterollm serve` (MIX) with every core; (b) a PREFILL and a DECODE instance, each pinned to half
-the cores (taskset), behind `heterollm route` (PULL: the decode instance reads the prefill
-instance's blocks over Mooncake's transfer engine, TCP on loopback). Reports TTFT and TPOT
-p50 / p99 per class, and the transfer time per block from the DECODE instance's /metrics
-(heterollm_kv_pull_seconds / heterollm_kv_pull_blocks).
+the cores (taskset), behind `heterollm route`, once per --modes: PUSH (the prefill instance writes
+into blocks the decode instance reserved) and PULL (the decode instance reads the prefill
+instance's blocks), over Mooncake's transfer engine, TCP on loopback. Reports TTFT and TPOT
+p50 / p99 per class, and the transfer time per block from the moving side's /metrics
+(heterollm_kv_push_* on the PREFILL instance, heterollm_kv_pull_* on the DECODE one).
 """
 from __future__ import annotations
 
@@ -106,6 +107,7 @@ def main() -> None:
     ap.add_argument("--short-len", type=int, default=64)
     ap.add_argument("--short-out", type=int, default=48)
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--modes", default="PUSH,PULL", help="the transfer modes to run (b) with")
     ap.add_argument("--json")
     args = ap.parse_args()
     cores = os.cpu_count() or 2
@@ -130,34 +132,38 @@ def main() -> None:
     for kind in ("long", "short"):
         rows.append({"setup": f"MIX, cores 0-{cores - 1}", "class": kind, **serving.summarize(kind, by[kind], wall)})
 
-    # (b) PREFILL on one half, DECODE on the other, behind the router
-    pp, dp, rp = serving.free_port(), serving.free_port(), serving.free_port()
-    purl, durl, rurl = (f"http://127.0.0.1:{p}" for p in (pp, dp, rp))
-    pd_flags = ["--kv_cache_transfer_mode=PULL", f"--max_cache_size={CACHE}"]  # two instances share the host
-    procs = []
-    try:
-        procs.append(start(serve_cmd(args.model, pp, ["--instance_role=PREFILL", *pd_flags,
-                                                      f"--transfer_listen_port={serving.free_port()}"]),
-                           purl, first, half, "PREFILL instance"))
-        procs.append(start(serve_cmd(args.model, dp, ["--instance_role=DECODE", *pd_flags,
-                                                      f"--transfer_listen_port={serving.free_port()}"]),
-                           durl, second, cores - half, "DECODE instance"))
-        procs.append(start([sys.executable, "-m", "heterollm.entrypoints.cli", "route", "--host=127.0.0.1",
-                            f"--port={rp}", f"--prefill_instances={purl}", f"--decode_instances={durl}"],
-                           rurl, None, 1, "router"))
-        name = serving.served_name(rurl, {})
-        by, wall = asyncio.run(mixed_load(rurl, name, long_prompts, short_prompts, args.long_out, args.short_out,
-                                          args.concurrency))
-        blocks, seconds = metric(durl, "heterollm_kv_pull_blocks"), metric(durl, "heterollm_kv_pull_seconds")
-    finally:
-        stop(procs)
-    for kind in ("long", "short"):
-        rows.append({"setup": f"1 P (cores {first}) + 1 D (cores {second})", "class": kind,
-                     **serving.summarize(kind, by[kind], wall)})
-    per_block = 1000 * seconds / blocks if blocks else float("nan")
-    notes.append(f"KV pulled by the DECODE instance: {blocks:.0f} blocks in {seconds:.2f} s of its steps = "
-                 f"{per_block:.2f} ms per block (a block: --block_size tokens, 128 by default, x every layer's "
-                 f"K and V; Mooncake's transfer engine over TCP on loopback)")
+    # (b) PREFILL on one half, DECODE on the other, behind the router, per transfer mode
+    per_block = {}
+    for mode in args.modes.split(","):
+        pp, dp, rp = serving.free_port(), serving.free_port(), serving.free_port()
+        purl, durl, rurl = (f"http://127.0.0.1:{p}" for p in (pp, dp, rp))
+        pd_flags = [f"--kv_cache_transfer_mode={mode}", f"--max_cache_size={CACHE}"]  # two instances share the host
+        procs = []
+        try:
+            procs.append(start(serve_cmd(args.model, pp, ["--instance_role=PREFILL", *pd_flags,
+                                                          f"--transfer_listen_port={serving.free_port()}"]),
+                               purl, first, half, "PREFILL instance"))
+            procs.append(start(serve_cmd(args.model, dp, ["--instance_role=DECODE", *pd_flags,
+                                                          f"--transfer_listen_port={serving.free_port()}"]),
+                               durl, second, cores - half, "DECODE instance"))
+            procs.append(start([sys.executable, "-m", "heterollm.entrypoints.cli", "route", "--host=127.0.0.1",
+                                f"--port={rp}", f"--prefill_instances={purl}", f"--decode_instances={durl}"],
+                               rurl, None, 1, "router"))
+            name = serving.served_name(rurl, {})
+            by, wall = asyncio.run(mixed_load(rurl, name, long_prompts, short_prompts, args.long_out,
+                                              args.short_out, args.concurrency))
+            side, verb = (purl, "push") if mode == "PUSH" else (durl, "pull")
+            blocks, seconds = metric(side, f"heterollm_kv_{verb}_blocks"), metric(side, f"heterollm_kv_{verb}_seconds")
+        finally:
+            stop(procs)
+        for kind in ("long", "short"):
+            rows.append({"setup": f"{mode}: 1 P (cores {first}) + 1 D (cores {second})", "class": kind,
+                         **serving.summarize(kind, by[kind], wall)})
+        per_block[mode] = 1000 * seconds / blocks if blocks else float("nan")
+        who = "PREFILL instance pushed" if mode == "PUSH" else "DECODE instance pulled"
+        notes.append(f"{mode}: the {who} {blocks:.0f} blocks in {seconds:.2f} s of its steps = "
+                     f"{per_block[mode]:.2f} ms per block (a block: --block_size tokens, 128 by default, x every "
+                     f"layer's K and V; Mooncake's transfer engine over TCP on loopback)")
     notes.append(f"load: {args.long} prompts of {args.long_len} tokens writing {args.long_out}, {args.short} of "
                  f"{args.short_len} writing {args.short_out}, shuffled, {args.concurrency} streaming clients")
     common.print_table("PD disaggregation vs one instance (TTFT / TPOT in ms)", rows,
@@ -165,7 +171,7 @@ def main() -> None:
                         ("ttft_p50_ms", "TTFT p50", 0), ("ttft_p99_ms", "TTFT p99", 0),
                         ("tpot_p50_ms", "TPOT p50", 1), ("tpot_p99_ms", "TPOT p99", 1),
                         ("output_tok_s", "out tok/s", 1)], notes=notes)
-    common.write_json(args.json, {"machine": common.machine_info(), "rows": rows, "kv_pull_ms_per_block": per_block})
+    common.write_json(args.json, {"machine": common.machine_info(), "rows": rows, "kv_ms_per_block": per_block})
 
 
 if __name__ == "__main__":

@@ -55,7 +55,8 @@ def _answers(client: httpx.Client, url: str) -> list[str]:
             for stream in (False, True)]
 
 
-def test_router_over_in_process_prefill_and_decode_instances(tiny_llama):
+@pytest.mark.parametrize("mode", ["PULL", "PUSH"])
+def test_router_over_in_process_prefill_and_decode_instances(tiny_llama, mode):
     from heterollm.config import load_config
     from heterollm.engine.llm_engine import LLMEngine
     from heterollm.entrypoints.openai.server import OpenAIServer, ServerSettings
@@ -64,14 +65,19 @@ def test_router_over_in_process_prefill_and_decode_instances(tiny_llama):
         engine = LLMEngine(load_config([], overrides={"model": str(tiny_llama), **FLAGS, **flags}).config)
         return OpenAIServer(engine, ServerSettings(served_model_names=["tiny"])).app
 
-    pd = {"kv_cache_transfer_mode": "PULL"}
+    pd = {"kv_cache_transfer_mode": mode}
     with ExitStack() as stack, httpx.Client(timeout=60) as client:
         p = stack.enter_context(running_app(server(instance_role="PREFILL", transfer_listen_port=free_port(), **pd)))
         d = stack.enter_context(running_app(server(instance_role="DECODE", transfer_listen_port=free_port(), **pd)))
         plain = stack.enter_context(running_app(server()))
         router = stack.enter_context(running_app(Router(RouterSettings(prefill_instances=(p,), decode_instances=(d,),
                                                                        request_timeout=60)).app))
+        start = {p: free_blocks(p), d: free_blocks(d)}
         assert _answers(client, router) == _answers(client, plain)
+        moved = {"PULL": (d, "heterollm_kv_pull_blocks"), "PUSH": (p, "heterollm_kv_push_blocks")}[mode]
+        assert _metric(*moved) > 0, f"the KV cache did not move by {mode}"
+        for url, blocks in start.items():  # P's release (PULL) comes after D's answer
+            wait_for(lambda: free_blocks(url) == blocks, 10, f"{url} did not free its blocks ({start})", step=0.1)
 
 
 # -- real processes ----------------------------------------------------------------------------------
@@ -106,6 +112,11 @@ def _stop(proc: subprocess.Popen) -> None:
 def free_blocks(url: str) -> float:
     text = httpx.get(url + "/metrics", timeout=5).text
     return float(re.search(r"^heterollm_kv_cache_free_blocks\{[^}]*\} (\S+)$", text, re.M).group(1))
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return sum(float(v) for v in re.findall(rf"^{name}(?:_total)?(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
 def finished(url: str) -> float:
@@ -233,3 +244,65 @@ def _stop_hard(proc: subprocess.Popen) -> None:
             pass
     proc.kill()
     proc.wait(30)
+
+
+def _reserve_then_die(target: str, proc: subprocess.Popen) -> FastAPI:
+    """A DECODE instance's front that kills it once it has answered a reservation, before the push."""
+    app = FastAPI()
+
+    async def forward(request: Request) -> Response:
+        body = await request.body()
+        async with httpx.AsyncClient(timeout=60) as client:
+            r = await client.post(target + request.url.path, content=body,
+                                  headers={"content-type": "application/json"})
+        if (json.loads(body).get("kv_transfer_params") or {}).get("reserve"):
+            _stop_hard(proc)
+        return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        app.add_api_route(path, forward, methods=["POST"])
+    return app
+
+
+@pytest.mark.slow
+def test_push_from_tp1_into_tp2_and_a_decode_instance_killed_after_its_reservation(tiny_llama, tmp_path):
+    """PUSH (both instances' default mode) as real `heterollm serve` processes behind the router: a
+    TP 1 PREFILL instance writes into a TP 2 DECODE instance's reservations, and the routed answers
+    are a single instance's; a DECODE instance that dies after reserving makes the push fail with a
+    clear 502 (no hang, no block kept on P), and through the router the flow runs again on the other
+    DECODE instance."""
+    c = Cluster(tiny_llama, tmp_path)
+    pd = lambda role: [f"--instance_role={role}", f"--transfer_listen_port={free_port()}"]  # noqa: E731
+    try:
+        p = c.serve("prefill", *pd("PREFILL"))
+        d = c.serve("decode", *pd("DECODE"), "--tp_size=2")
+        doomed = [c.serve(f"doomed{i}", *pd("DECODE")) for i in range(2)]
+        mix = c.serve("mix")
+        c.wait()
+        start = {p: free_blocks(p), d: free_blocks(d)}
+        with httpx.Client(timeout=120) as client:
+            with running_app(Router(RouterSettings(prefill_instances=(p,), decode_instances=(d,),
+                                                   request_timeout=60)).app) as router:
+                assert _answers(client, router) == _answers(client, mix)
+            assert _metric(p, "heterollm_kv_push_blocks") > 0 and _metric(d, "heterollm_kv_pull_blocks") == 0
+            # by hand: D reserves and dies; P's push fails with a clear error, and P keeps nothing
+            reserve = {**COMPLETION, "kv_transfer_params": {"do_remote_prefill": True, "reserve": True}}
+            res = client.post(doomed[0] + "/v1/completions", json=reserve).json()["kv_transfer_params"]
+            assert res["kv_cache_transfer_mode"] == "PUSH" and res["reservation_id"].startswith("kvres-")
+            _stop_hard(c.proc("doomed0"))
+            began = time.monotonic()
+            r = client.post(p + "/v1/completions", json={**COMPLETION, "max_tokens": 1, "kv_transfer_params": res})
+            assert r.status_code == 502 and r.json()["error"]["type"] == "kv_transfer_failed", r.text
+            assert "pushing the prompt's KV failed" in r.json()["error"]["message"]
+            assert time.monotonic() - began < 30
+            # through the router: the first D dies after reserving, the flow runs again on the live one
+            with running_app(_reserve_then_die(doomed[1], c.proc("doomed1"))) as front, \
+                    running_app(Router(RouterSettings(prefill_instances=(p,), decode_instances=(front, d),
+                                                      request_timeout=60)).app) as router:
+                assert _text(client, router, "/v1/completions", COMPLETION, False) == \
+                    _text(client, mix, "/v1/completions", COMPLETION, False)
+            assert c.proc("doomed1").poll() is not None  # the flow went through it first
+        for url, blocks in start.items():
+            wait_for(lambda: free_blocks(url) == blocks, 10, f"{url} did not free its blocks ({start})", step=0.2)
+    finally:
+        c.stop()

@@ -25,13 +25,16 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_t
         "stream": True, "stream_options": {"include_usage": True}}
 FAILED = {"error": {"message": "pulling the prompt's KV failed: P is gone", "type": "kv_transfer_failed",
                     "param": "kv_transfer_params", "code": 502}}
+PUSH_FAILED = {"error": {"message": "pushing the prompt's KV failed: D is gone", "type": "kv_transfer_failed",
+                         "param": "kv_transfer_params", "code": 502}}
 
 
 class FakePrefill:
     """Answers one token and the kv_transfer_params of the protocol; records bodies and releases."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, push_failures: int = 0) -> None:
         self.name, self.bodies, self.released, self.auth = name, [], [], []
+        self.push_failures = push_failures
         self.app = FastAPI()
         for path in ("/v1/completions", "/v1/chat/completions"):
             self.app.add_api_route(path, self.prefill, methods=["POST"])
@@ -41,6 +44,13 @@ class FakePrefill:
     async def prefill(self, request: Request) -> JSONResponse:
         body = await request.json()
         self.bodies.append(body)
+        reservation = body["kv_transfer_params"].get("reservation_id")
+        if reservation is not None:  # PUSH: "writes" into D's reservation
+            if len(self.bodies) <= self.push_failures:
+                return JSONResponse(PUSH_FAILED, status_code=502)
+            return JSONResponse({"choices": [{"index": 0, "text": "x"}], "kv_transfer_params": {
+                "do_remote_prefill": True, "kv_cache_transfer_mode": "PUSH", "reservation_id": reservation,
+                "remote_engine_id": self.name, "prompt_token_ids": [1, 2, 3], "first_token_id": 7, "block_size": 8}})
         params = {"do_remote_prefill": True, "remote_request_id": f"{self.name}-{len(self.bodies)}",
                   "remote_engine_id": self.name, "remote_ranks": [0], "remote_block_ids": [[1, 2]],
                   "prompt_token_ids": [1, 2, 3], "first_token_id": 7, "block_size": 8}
@@ -54,13 +64,29 @@ class FakePrefill:
 
 
 class FakeDecode:
-    """The whole answer (streamed when asked); `failures` first answers are a failed KV pull."""
+    """The whole answer (streamed when asked); `failures` first answers are a failed KV pull. A
+    reservation request is answered with its `mode`: PULL (no reservation) or a PUSH reservation."""
 
-    def __init__(self, failures: int = 0) -> None:
-        self.bodies, self.failures = [], failures
+    def __init__(self, failures: int = 0, mode: str = "PULL", name: str = "d") -> None:
+        self.bodies, self.failures, self.mode, self.name = [], failures, mode, name
+        self.reserves, self.released = [], []
         self.app = FastAPI()
         for path in ("/v1/completions", "/v1/chat/completions"):
             self.app.add_api_route(path, self.decode, methods=["POST"])
+        self.app.add_api_route("/v1/kv_transfer/release", self.release, methods=["POST"])
+
+    async def release(self, request: Request) -> JSONResponse:
+        self.released.append((await request.json())["remote_request_id"])
+        return JSONResponse({"released": True})
+
+    def reserve(self, body: dict) -> JSONResponse:
+        self.reserves.append(body)
+        if self.mode == "PULL":
+            return JSONResponse({"kv_transfer_params": {"kv_cache_transfer_mode": "PULL"}})
+        return JSONResponse({"kv_transfer_params": {
+            "do_remote_decode": True, "kv_cache_transfer_mode": "PUSH", "reservation_id": f"{self.name}-r{len(self.reserves)}",
+            "reservation_replica": 0, "remote_engine_id": self.name, "remote_ranks": [0], "remote_block_ids": [4, 5],
+            "cached_blocks": 0, "num_prompt_tokens": 3, "block_size": 8}})
 
     @staticmethod
     def events(body: dict) -> list[str]:
@@ -69,6 +95,8 @@ class FakeDecode:
 
     async def decode(self, request: Request):
         body = await request.json()
+        if (body.get("kv_transfer_params") or {}).get("reserve"):
+            return self.reserve(body)
         self.bodies.append(body)
         failed = len(self.bodies) <= self.failures
         if body.get("stream"):
@@ -117,6 +145,11 @@ def test_prefill_then_decode_bodies_and_release():
                     "remote_ranks": [0], "remote_block_ids": [[1, 2]], "prompt_token_ids": [1, 2, 3],
                     "first_token_id": 7, "block_size": 8}
         assert d.bodies == [{**COMPLETION, "n": 1, "stream": False, "kv_transfer_params": p_params}]
+        assert d.reserves == [{**COMPLETION, "n": 1, "stream": False,
+                               "kv_transfer_params": {"do_remote_prefill": True, "reserve": True}}]
+        r = httpx.post(router + "/v1/completions", json=COMPLETION, timeout=20)
+        assert r.status_code == 200 and len(d.bodies) == 2
+        assert len(d.reserves) == 1, "a PULL decode instance is asked for a reservation once"
         wait_for(lambda: p.released == ["p-1"], 5, "P was not told to release the blocks")
         assert p.auth == ["Bearer k"]  # the client's key reaches the release too
         assert httpx.get(router + "/health").status_code == 200  # a PREFILL and DECODE pair serves
@@ -203,8 +236,53 @@ def test_no_prefill_or_no_decode_is_503_at_once():
             assert time.monotonic() - start < 5
             assert r.status_code == 503, r.text
             assert r.json()["error"]["type"] == "service_unavailable" and words in r.json()["error"]["message"]
-        assert d.bodies == []
-        wait_for(lambda: p.released == ["p-1"], 5, "a prefill without a decode instance was not released")
+        assert d.bodies == [] and p.bodies == []  # no prompt was prefilled for nothing
+
+
+def test_push_reserves_on_decode_then_prefills_into_it_then_decodes():
+    p, d = FakePrefill("p"), FakeDecode(mode="PUSH")
+    with ExitStack() as stack:
+        p_url, d_url = _serve(stack, p, d)
+        router = _router(stack, [p_url], [d_url])
+        r = httpx.post(router + "/v1/completions", json=COMPLETION, timeout=20)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decoded"
+        assert d.reserves == [{**COMPLETION, "stream": False, "n": 1,
+                               "kv_transfer_params": {"do_remote_prefill": True, "reserve": True}}]
+        reservation = json.loads(d.reserve(d.reserves[0]).body)["kv_transfer_params"]
+        d.reserves.pop()
+        assert p.bodies == [{**COMPLETION, "stream": False, "n": 1, "max_tokens": 1,
+                             "kv_transfer_params": {**reservation, "reservation_id": "d-r1"}}]
+        assert d.bodies == [{**COMPLETION, "kv_transfer_params": {
+            "do_remote_prefill": True, "kv_cache_transfer_mode": "PUSH", "reservation_id": "d-r1",
+            "remote_engine_id": "p", "prompt_token_ids": [1, 2, 3], "first_token_id": 7, "block_size": 8,
+            "reservation_replica": 0}}]
+        with httpx.stream("POST", router + "/v1/chat/completions", json=CHAT, timeout=20) as r:
+            assert r.status_code == 200
+            assert _events(r) == FakeDecode.events(d.bodies[1]) + ["[DONE]"]
+        assert len(d.reserves) == 2 and d.reserves[1]["stream"] is False and "stream_options" not in d.reserves[1]
+        assert p.bodies[1]["kv_transfer_params"]["reservation_id"] == "d-r2" and p.bodies[1]["max_completion_tokens"] == 1
+        time.sleep(0.3)
+        assert p.released == [] and d.released == []  # nothing is held after a push that worked
+
+
+def test_a_failed_push_cancels_the_reservation_and_runs_again_on_another_decode_instance():
+    p, d1, d2 = FakePrefill("p", push_failures=1), FakeDecode(mode="PUSH", name="d1"), FakeDecode(mode="PUSH", name="d2")
+    with ExitStack() as stack:
+        p_url, d1_url, d2_url = _serve(stack, p, d1, d2)
+        router = _router(stack, [p_url], [d1_url, d2_url])
+        r = httpx.post(router + "/v1/completions", json=COMPLETION, timeout=20)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decoded"
+        assert len(p.bodies) == 2
+        first, second = (d1, d2) if p.bodies[0]["kv_transfer_params"]["reservation_id"] == "d1-r1" else (d2, d1)
+        assert len(first.reserves) == 1 and first.bodies == [] and len(second.bodies) == 1
+        assert second.bodies[0]["kv_transfer_params"]["reservation_id"] == f"{second.name}-r1"
+        wait_for(lambda: first.released == [f"{first.name}-r1"], 5, "the failed push's reservation was not cancelled")
+        # one DECODE instance: the failure is the answer, and its reservation is cancelled
+        p.push_failures = 100
+        router = _router(stack, [p_url], [d1_url])
+        r = httpx.post(router + "/v1/completions", json=COMPLETION, timeout=20)
+        assert r.status_code == 502 and r.json() == PUSH_FAILED
+        wait_for(lambda: d1.released[-1] == f"d1-r{len(d1.reserves)}", 5, "the reservation was not cancelled")
 
 
 def test_mix_instances_serve_whole_requests_without_a_pair():

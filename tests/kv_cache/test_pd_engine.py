@@ -175,7 +175,7 @@ def test_launch_checks_name_the_flag():
     def problems(*argv):
         return check_flag_combinations(load_config(["--model", "m", *argv]).config)
 
-    assert any("--kv_cache_transfer_mode=PUSH: not built yet" in p for p in problems("--instance_role", "PREFILL"))
+    assert not problems("--instance_role", "PREFILL")  # PUSH, xLLM's default
     assert not problems("--instance_role", "DECODE", "--kv_cache_transfer_mode", "PULL")
     assert not problems("--splitwise_role", "prefill", "--kv_cache_transfer_mode", "PULL", "--enable_disagg_pd")
     assert any("contradicts" in p for p in problems("--splitwise_role", "decode", "--instance_role", "PREFILL"))
@@ -183,7 +183,7 @@ def test_launch_checks_name_the_flag():
     assert any(p.startswith("--transfer_listen_port: only a PREFILL or DECODE")
                for p in problems("--transfer_listen_port", "27000"))
     assert any(p.startswith("--disagg_pd_port:") for p in problems("--disagg_pd_port", "7000"))
-    assert any(p.startswith("--kv_push_dst_rotate:") for p in problems("--instance_role", "DECODE",
+    assert any(p.startswith("--kv_push_dst_rotate=true:") for p in problems("--instance_role", "DECODE",
                                                                        "--kv_cache_transfer_mode", "PULL",
                                                                        "--kv_push_dst_rotate"))
     assert any(p.startswith("--innode_prefill_ports:") for p in problems("--innode_prefill_ports", "8001"))
@@ -228,12 +228,14 @@ def test_launch_checks_say_the_whole_problem():
     assert problems("--instance_role", "MIX", *pull, "--transfer_listen_port", "27000", "--kv_push_dst_rotate") == [
         f"--{name}: only a PREFILL or DECODE instance transfers KV (--instance_role)"
         for name in ("kv_cache_transfer_mode", "transfer_listen_port", "kv_push_dst_rotate")]
-    assert problems("--instance_role", "PREFILL") == [
-        "--instance_role=PREFILL with --kv_cache_transfer_mode=PUSH: not built yet (the prefill instance writing "
-        "into blocks the decode instance reserved); --kv_cache_transfer_mode=PULL works: the decode instance reads "
-        "the prefill instance's blocks"]
-    assert problems("--instance_role", "DECODE", *pull, "--kv_push_dst_rotate") == [
-        "--kv_push_dst_rotate: rotates PUSH destinations; only PULL is built"]
+    assert problems("--instance_role", "PREFILL") == []
+    assert problems("--instance_role", "PREFILL", "--kv_push_dst_rotate") == []
+    assert problems("--instance_role", "PREFILL", *pull, "--kv_push_dst_rotate") == [
+        "--kv_push_dst_rotate=true: rotates the decode ranks a PREFILL instance pushes to; with "
+        "--kv_cache_transfer_mode=PULL nothing is pushed"]
+    assert problems("--instance_role", "DECODE", "--kv_push_dst_rotate") == [
+        "--kv_push_dst_rotate=true: rotates the decode ranks a PREFILL instance pushes to; a DECODE instance "
+        "pushes nothing"]
     assert problems("--instance_role", "DECODE", *pull, "--dp_size", "2", "--ep_size", "2") == [
         "--instance_role=DECODE: not built with attention data parallelism"]
     assert problems("--instance_role", "PREFILL", *pull, "--draft_model", "d") == [
@@ -242,7 +244,7 @@ def test_launch_checks_say_the_whole_problem():
         "--instance_role=PREFILL: one node per instance (--nnodes > 1 is not built for PD)"]
 
 
-def test_the_transfer_connector_refuses_a_cache_of_another_layout_and_only_pulls():
+def test_the_transfer_connector_refuses_a_cache_of_another_layout_and_only_moves_between_instances():
     """It moves caches laid out (K/V, heads, blocks, block size, head dim) along dimension 2: anything
     else (MLA's latent cache, another backend's layout) is refused before Mooncake is touched."""
     import torch
@@ -259,7 +261,7 @@ def test_the_transfer_connector_refuses_a_cache_of_another_layout_and_only_pulls
                                               + re.escape(str(shape)) + r" \(MLA caches are not built\)$"):
             MooncakeTransferConnector(None, caches, block_dim, 0)
     for method in (MooncakeTransferConnector.save, MooncakeTransferConnector.load):
-        with pytest.raises(NotImplementedError, match=r"^the transfer connector only pulls$"):
+        with pytest.raises(NotImplementedError, match=r"^the transfer connector only pulls and pushes between instances$"):
             method(None, [(0, 0)])
 
 

@@ -37,6 +37,7 @@ UTILITIES: dict[str, Callable[..., Any]] = {
     "start_profile": lambda engine: engine.start_profile(),
     "stop_profile": lambda engine: engine.stop_profile(),
     "release_kv": lambda engine, remote_request_id: engine.release_kv(remote_request_id),
+    "reserve_kv": lambda engine, prompt_token_ids: engine.reserve_kv(prompt_token_ids),
 }
 """The admin methods the API server may call (Utility messages), by name."""
 

@@ -84,10 +84,17 @@ class _PDAdmission:
     hold: bool = False
     pull: tuple[Any, list[int]] | None = None
     first_token: int | None = None
+    push: tuple[Any, list[int], int] | None = None
+    """PUSH, PREFILL: (the decode instance's ranks, its reserved blocks, how many it had cached)."""
+    push_reservation: str | None = None
+    reservation: str | None = None
+    """PUSH, DECODE: the reservation whose blocks the prefill instance filled."""
 
     def apply(self, request: Request) -> None:
         request.kv_hold = self.hold
-        if self.pull is not None:
+        request.kv_push = self.push
+        request.pd_reservation = self.push_reservation
+        if self.pull is not None or self.reservation is not None:
             request.kv_pull = self.pull
             request.output_token_ids = [self.first_token]
             request.pd_first_token = True
@@ -103,6 +110,10 @@ class LLMEngine:
         """PD, DECODE: blocks pulled from prefill instances so far."""
         self.kv_pull_seconds = 0.0
         """Seconds the steps spent moving KV blocks in while pulling (rank 0's clock)."""
+        self.kv_push_blocks = 0
+        """PD PUSH, PREFILL: blocks written into decode instances' reservations so far."""
+        self.kv_push_seconds = 0.0
+        """Seconds the steps spent writing them, after their forwards (rank 0's clock)."""
         self.engine_id = uuid.uuid4().hex
         """Names this engine to other instances (PD: remote_engine_id)."""
         self._pd_ranks: list[dict[str, Any]] | None = None
@@ -381,6 +392,8 @@ class LLMEngine:
                 self.scheduler.add(child.request)
                 added.append(child)
             self._ask_plugins(request_id, ids, params)
+            if pd is not None and pd.reservation is not None:
+                self.scheduler.claim(pd.reservation, children[0].request)
         except BaseException:
             for child in added:
                 self.scheduler.finish(child.request.request_id, "abort")
@@ -401,21 +414,34 @@ class LLMEngine:
         if pooling is not None or params.num_sequences != 1:
             raise RequestRejected("kv_transfer_params", "a disaggregated request generates one sequence (n = 1, "
                                   "best_of = 1, no pooling)")
+        mode = self.config.pd.kv_cache_transfer_mode
         if kv.get("do_remote_decode"):
             if role not in ("PREFILL", "MIX"):
                 raise RequestRejected("kv_transfer_params", f"do_remote_decode: this instance's role is {role}; "
                                       "a PREFILL instance (--instance_role PREFILL) prefills for a decode instance")
-            return _PDAdmission(hold=True)
+            if role == "PREFILL" and ("reservation_id" in kv) != (mode == "PUSH"):
+                theirs = "PUSH (it reserved blocks)" if "reservation_id" in kv else "PULL (no reservation)"
+                raise RequestRejected("kv_transfer_params", f"this PREFILL instance runs --kv_cache_transfer_mode="
+                                      f"{mode}, the decode instance {theirs}: start both with the same mode")
+            if "reservation_id" not in kv:
+                return _PDAdmission(hold=True)
+            return _PDAdmission(push=self._push_target(kv, ids), push_reservation=str(kv["reservation_id"]))
         if not kv.get("do_remote_prefill"):
             if kv:
                 raise RequestRejected("kv_transfer_params", "needs do_remote_decode or do_remote_prefill")
             return _PDAdmission()
         if role not in ("DECODE", "MIX") or "kv_connectors.mooncake_transfer" not in self.selection.components:
             raise RequestRejected("kv_transfer_params", f"do_remote_prefill: this instance's role is {role}; a DECODE "
-                                  "instance (--instance_role DECODE) pulls K/V from a prefill instance")
+                                  "instance (--instance_role DECODE) takes K/V from a prefill instance")
         if params.logprobs is not None or params.prompt_logprobs is not None:
             raise RequestRejected("logprobs", "a disaggregated request's first token was sampled by the prefill "
                                   "instance, which sends no logprobs: logprobs are not served with kv_transfer_params")
+        if ("reservation_id" in kv) != (mode == "PUSH"):
+            raise RequestRejected("kv_transfer_params", f"this DECODE instance runs --kv_cache_transfer_mode={mode}; "
+                                  "these params are a " + ("PUSH" if "reservation_id" in kv else "PULL") +
+                                  " prefill answer: start both instances with the same mode")
+        if mode == "PUSH":
+            return self._pushed(kv, ids)
         try:
             peers = peers_from(kv)
             remote_blocks = [int(b) for b in kv["remote_block_ids"]]
@@ -436,9 +462,78 @@ class LLMEngine:
             raise RequestRejected("kv_transfer_params", f"first_token_id {first} is outside the vocabulary")
         return _PDAdmission(pull=(peers, remote_blocks), first_token=first)
 
+    def _push_target(self, kv: dict[str, Any], ids: list[int]) -> tuple[Any, list[int], int]:
+        """PUSH, PREFILL: where the decode instance's reservation wants the prompt's blocks."""
+        try:
+            peers = peers_from(kv)
+            blocks = [int(b) for b in kv["remote_block_ids"]]
+            skip = int(kv["cached_blocks"])
+            n = int(kv["num_prompt_tokens"])
+            block_size = int(kv["block_size"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RequestRejected("kv_transfer_params", f"not a decode instance's reservation: {exc}") from None
+        if block_size != self.config.kv_cache.block_size:
+            raise RequestRejected("kv_transfer_params", f"block_size {block_size} differs from this instance's "
+                                  f"--block_size={self.config.kv_cache.block_size}")
+        if n != len(ids):
+            raise RequestRejected("kv_transfer_params", f"the decode instance reserved blocks for {n} prompt tokens; "
+                                  f"this instance's tokenization of the prompt has {len(ids)}: the two instances "
+                                  "must serve the same model and chat template")
+        if len(blocks) < -(-n // block_size) or not 0 <= skip <= (n - 1) // block_size:
+            raise RequestRejected("kv_transfer_params", "remote_block_ids do not cover the prompt")
+        return peers, blocks, skip
+
+    def _pushed(self, kv: dict[str, Any], ids: list[int]) -> _PDAdmission:
+        """PUSH, DECODE: the prefill instance's answer after writing into a reservation of this instance."""
+        try:
+            reservation = str(kv["reservation_id"])
+            first = int(kv["first_token_id"])
+            remote_ids = [int(t) for t in kv["prompt_token_ids"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RequestRejected("kv_transfer_params", f"not a prefill instance's answer: {exc}") from None
+        if remote_ids != list(ids):
+            raise RequestRejected("kv_transfer_params", "prompt_token_ids differ from this instance's tokenization of "
+                                  "the prompt: the two instances must serve the same model and chat template")
+        held = self.scheduler.reserved.get(reservation)
+        if held is not None and held[1] != len(ids):
+            raise RequestRejected("kv_transfer_params", f"reservation {reservation!r} holds {held[1]} prompt tokens, "
+                                  f"this prompt has {len(ids)}")
+        if not 0 <= first < self.vocab_size:
+            raise RequestRejected("kv_transfer_params", f"first_token_id {first} is outside the vocabulary")
+        return _PDAdmission(reservation=reservation, first_token=first)
+
+    def reserve_kv(self, prompt_token_ids: list[int]) -> dict[str, Any]:
+        """PD PUSH, on a DECODE instance: reserve blocks for a prompt whose K/V a prefill instance will
+        write (kv_cache/pd.py); the answer is what that instance needs, as its request's
+        kv_transfer_params. A reservation nobody claims is freed after HOLD_TIMEOUT_S. Under
+        --kv_cache_transfer_mode=PULL nothing is reserved: the answer only says the mode. Raises
+        RequestRejected (503) when the cache has no room now."""
+        if pd_role(self.config) != "DECODE" or self._pd_ranks is None:
+            raise RequestRejected("kv_transfer_params", f"reserve: this instance's role is {pd_role(self.config)}; a "
+                                  "DECODE instance (--instance_role DECODE) reserves blocks for a prefill instance")
+        if self.config.pd.kv_cache_transfer_mode != "PUSH":
+            return {"kv_cache_transfer_mode": self.config.pd.kv_cache_transfer_mode}
+        ids = [int(t) for t in prompt_token_ids]
+        if not 0 < len(ids) < self.max_model_len:
+            raise RequestRejected("prompt", f"the prompt has {len(ids)} tokens; this instance serves 1 to "
+                                  f"{self.max_model_len - 1} (max_model_len {self.max_model_len})")
+        rid = f"kvres-{uuid.uuid4().hex}"
+        got = self.scheduler.reserve(rid, ids)
+        if got is None:
+            raise RequestRejected("kv_transfer_params", f"the KV cache has no room for {len(ids)} prompt tokens now "
+                                  "(every block is in use); retry later", status=503)
+        cached, table = got
+        return {"do_remote_decode": True, "kv_cache_transfer_mode": "PUSH", "reservation_id": rid,
+                "remote_engine_id": self.engine_id, "remote_ranks": self._pd_ranks, "remote_block_ids": table,
+                "cached_blocks": cached, "num_prompt_tokens": len(ids), "block_size": self.config.kv_cache.block_size}
+
     def _pd_params(self, parent: _Parent) -> dict[str, Any] | None:
         """A finished do_remote_decode request's answer for the DECODE instance."""
         r = parent.children[0].request
+        if parent.finished and r.pd_reservation and r.output_token_ids and r.finish_reason in ("stop", "length"):
+            return {"do_remote_prefill": True, "kv_cache_transfer_mode": "PUSH", "reservation_id": r.pd_reservation,
+                    "remote_engine_id": self.engine_id, "prompt_token_ids": list(r.prompt_token_ids),
+                    "first_token_id": r.output_token_ids[0], "block_size": self.config.kv_cache.block_size}
         if not (parent.finished and r.kv_hold and r.held_blocks and r.output_token_ids):
             return None
         return {"do_remote_prefill": True, "remote_request_id": r.request_id, "remote_engine_id": self.engine_id,
@@ -448,8 +543,9 @@ class LLMEngine:
 
     def release_kv(self, remote_request_id: str) -> bool:
         """Free the blocks this PREFILL instance kept for `remote_request_id` (after the DECODE instance
-        pulled them); False when it keeps none (released already, expired, or unknown)."""
-        return self.scheduler.release_held(remote_request_id)
+        pulled them), or this DECODE instance's reservation of that id (PUSH: a prefill that failed);
+        False when it keeps none (released already, claimed, expired, or unknown)."""
+        return self.scheduler.release_held(remote_request_id) or self.scheduler.cancel_reservation(remote_request_id)
 
     def _admission_limits(self) -> AdmissionLimits:
         return AdmissionLimits(self.vocab_size, self.max_model_len, frozenset(self.eos_token_ids),
@@ -618,6 +714,8 @@ class LLMEngine:
                 "host_tier_loaded": host.loaded if host else 0,
                 "prefix_store_hits": getattr(self.kv, "store_hits", 0),
                 "kv_pull_blocks": self.kv_pull_blocks, "kv_pull_seconds": self.kv_pull_seconds,
+                "kv_push_blocks": self.kv_push_blocks, "kv_push_seconds": self.kv_push_seconds,
+                "kv_reservations": len(self.scheduler.reserved),
                 "store_put_blocks": self.kv_store.put if self.kv_store else 0,
                 "store_fetched_blocks": self.kv_store.fetched if self.kv_store else 0}
 
@@ -758,10 +856,14 @@ class LLMEngine:
     def _after_step(self, so: SchedulerOutput, result: RunnerOutput, schedule_s: float, t_output: float,
                     run_s: float) -> None:
         if so.kv_transfers is not None:
-            pulls = so.kv_transfers.get("mooncake_transfer")
-            if pulls is not None:
-                self.kv_pull_blocks += sum(len(p.local_blocks) for p in pulls.pulls)
-                self.kv_pull_seconds += result.timings.get("kv_transfer", 0.0)
+            moves = so.kv_transfers.get("mooncake_transfer")
+            if moves is not None:
+                if moves.pulls:
+                    self.kv_pull_blocks += sum(len(p.local_blocks) for p in moves.pulls)
+                    self.kv_pull_seconds += result.timings.get("kv_transfer", 0.0)
+                if moves.pushes:
+                    self.kv_push_blocks += sum(len(p.local_blocks) for p in moves.pushes)
+                    self.kv_push_seconds += result.timings.get("kv_push", 0.0)
         if self.scheduler.latency is not None:
             self.scheduler.latency.model.observe(
                 [(len(r.new_token_ids), r.num_computed_tokens) for r in so.requests], run_s)
@@ -782,7 +884,8 @@ class LLMEngine:
             parent, child = self._children[request_id]
             r = child.request
             logger.error("request %s: %s", request_id, why)
-            r.error, r.finish_reason, r.finished_time = f"pulling the prompt's KV failed: {why}", "error", now
+            verb = "pushing" if r.pd_reservation else "pulling"
+            r.error, r.finish_reason, r.finished_time = f"{verb} the prompt's KV failed: {why}", "error", now
             child.final_text = child.detok.text
             self.scheduler.finish(request_id, "error")
             touched.add(parent.request_id)
@@ -898,7 +1001,8 @@ class LLMEngine:
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions,
                              parent.finished, metrics,
                              first.prompt_logprobs if parent.params.prompt_logprobs is not None else None,
-                             first.pooled, kv_transfer_params=self._pd_params(parent) if first.kv_hold else None,
+                             first.pooled,
+                             kv_transfer_params=self._pd_params(parent) if first.kv_hold or first.pd_reservation else None,
                              error=first.error)
 
     def shutdown(self) -> None:

@@ -41,9 +41,8 @@ def router_settings(loaded: LoadedConfig):
             except ValueError as exc:
                 raise ConfigError(f"--{name}: {exc}") from None
     if loaded.config.pd.kv_push_dst_rotate:
-        raise ConfigError("--kv_push_dst_rotate: it spreads PUSH-mode KV transfers over decode workers; the router "
-                          "runs the PULL protocol (decode instances pull from prefill ones), so it would change "
-                          "nothing")
+        raise ConfigError("--kv_push_dst_rotate: it orders a PREFILL instance's PUSH writes over the decode ranks; "
+                          "the router moves no KV: give it to heterollm serve --instance_role PREFILL")
     if dist.xservice_address:
         raise ConfigError("--xservice_address: the router is the xservice endpoint itself (instances point their "
                           "--xservice_address at its --host:--port)")

@@ -52,6 +52,19 @@ class KVPull:
     local_blocks: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class KVPush:
+    """Write a request's prompt blocks into blocks another instance reserved for it (prefill/decode
+    disaggregation, PUSH): local block i goes to remote block i. Runs after the step's forward, which
+    computed them."""
+
+    request_id: str
+    peers: tuple[PeerRank, ...]
+    """The decode instance's ranks, in rank order."""
+    local_blocks: tuple[int, ...]
+    remote_blocks: tuple[int, ...]
+
+
 @dataclass
 class KVTransfers:
     """One step's block moves for one connector. Every rank runs them before the step's forward, all
@@ -67,9 +80,12 @@ class KVTransfers:
     them (the KV store: a fetch that fails is a cache miss there, never a half-loaded block here)."""
     pulls: list[KVPull] = field(default_factory=list)
     """Requests whose prompt blocks come from another instance (the "mooncake_transfer" connector)."""
+    pushes: list[KVPush] = field(default_factory=list)
+    """Requests whose prompt blocks go to another instance once this step's forward wrote them
+    (`KVConnector.after_forward`)."""
 
     def __bool__(self) -> bool:
-        return bool(self.save or self.load or self.pulls)
+        return bool(self.save or self.load or self.pulls or self.pushes)
 
 
 class KVConnector(Component):
@@ -100,6 +116,11 @@ class KVConnector(Component):
             self.save(transfers.save)
         if transfers.load:
             self.load(transfers.load)
+        return {}
+
+    def after_forward(self, transfers: KVTransfers) -> dict[str, str]:
+        """Run the step's moves that need its forward's K/V (`transfers.pushes`), after the forward.
+        Returns request id -> why for the requests whose blocks did not arrive, as `apply` does."""
         return {}
 
     def info(self) -> dict[str, object]:

@@ -443,6 +443,16 @@ class KVCacheManager(PoolGauges):
             self._committed[request_id] = full
             del self._hashes.get(request_id, [])[full:]
 
+    def rename(self, old: str, new: str) -> None:
+        """Give request `old`'s blocks and their bookkeeping to `new` (which has none)."""
+        if new in self.tables:
+            raise RuntimeError(f"{new} already has blocks")
+        for books in (self.tables, self._hashes, self._committed):
+            if old in books:
+                books[new] = books.pop(old)
+        self._hits.pop(old, None)
+        self._lookups.pop(old, None)
+
     def free(self, request_id: str) -> None:
         table = self.tables.pop(request_id, None)
         if table:

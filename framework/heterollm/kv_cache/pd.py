@@ -1,7 +1,10 @@
 """Prefill/decode disaggregation: an instance's role, its launch checks, and the "mooncake_transfer"
-KV connector that moves a request's prompt blocks from a PREFILL instance to a DECODE instance.
+KV connector that moves a request's prompt blocks between a PREFILL and a DECODE instance.
 
-The flow (PULL, the router drives it: entrypoints/route.py, docs in the README):
+Both instances run the same --kv_cache_transfer_mode. The router drives the flow (service/disagg.py;
+README "Disaggregated serving").
+
+PULL (the DECODE instance reads):
 1. The PREFILL instance runs the prompt with max_tokens 1 for a request carrying
    `kv_transfer_params: {"do_remote_decode": true}`, samples the first token and keeps the request's
    blocks (`Scheduler.held`) until released or HOLD_TIMEOUT_S passes. Its answer carries
@@ -13,6 +16,20 @@ The flow (PULL, the router drives it: entrypoints/route.py, docs in the README):
    have different tensor-parallel sizes). A pull that fails ends that request with an error; the
    step's other requests go on.
 3. The router then releases the PREFILL instance's blocks.
+
+PUSH (the PREFILL instance writes; xLLM's default):
+1. The DECODE instance reserves blocks for the prompt (`{"do_remote_prefill": true, "reserve": true}`:
+   the client's request, tokenized as for generation, answered at once). Its prefix cache's blocks
+   are shared; the rest are allocated and wait, held by the reservation (`Scheduler.reserved`), for
+   the prefill instance's K/V, or for HOLD_TIMEOUT_S. The answer's `kv_transfer_params` name its
+   ranks, the reservation and the blocks to write.
+2. The PREFILL instance runs the prompt with those params; right after the forward that completes
+   the prompt, each rank writes its share of the blocks into the reserved ones (head by head, to the
+   decode ranks that hold those heads; --kv_push_dst_rotate starts each rank at a different one).
+   Its answer (the first token, the reservation) is the signal that the K/V is in place; a push that
+   failed is a 502 kv_transfer_failed, and the reservation expires.
+3. The DECODE instance admits the request with that answer: it takes over the reservation's blocks
+   and decodes from the first token on; nothing is transferred in its step.
 """
 from __future__ import annotations
 
@@ -22,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from heterollm.config import ConfigError
-from heterollm.interfaces.kv_connector import KVConnector, KVPull, KVTransfers, PeerRank
+from heterollm.interfaces.kv_connector import KVConnector, KVPull, KVPush, KVTransfers, PeerRank
 from heterollm.service.instance import advertised_host
 
 if TYPE_CHECKING:
@@ -69,12 +86,12 @@ def pd_problems(config: HeterollmConfig) -> list[str]:
             if getattr(pd, name) != getattr(defaults, name):
                 out.append(f"--{name}: only a PREFILL or DECODE instance transfers KV (--instance_role)")
         return out
-    if pd.kv_cache_transfer_mode == "PUSH":
-        out.append(f"--instance_role={role} with --kv_cache_transfer_mode=PUSH: not built yet (the prefill "
-                   "instance writing into blocks the decode instance reserved); --kv_cache_transfer_mode=PULL "
-                   "works: the decode instance reads the prefill instance's blocks")
-    if pd.kv_push_dst_rotate:
-        out.append("--kv_push_dst_rotate: rotates PUSH destinations; only PULL is built")
+    if pd.kv_push_dst_rotate and pd.kv_cache_transfer_mode != "PUSH":
+        out.append(f"--kv_push_dst_rotate=true: rotates the decode ranks a PREFILL instance pushes to; with "
+                   f"--kv_cache_transfer_mode={pd.kv_cache_transfer_mode} nothing is pushed")
+    elif pd.kv_push_dst_rotate and role != "PREFILL":
+        out.append(f"--kv_push_dst_rotate=true: rotates the decode ranks a PREFILL instance pushes to; a "
+                   f"{role} instance pushes nothing")
     from heterollm.config.checks import attention_dp_size
 
     if attention_dp_size(config) > 1:
@@ -110,6 +127,7 @@ class MooncakeTransferConnector(KVConnector):
         config = launch.config
         self.caches = caches
         self.rank, self.tp = launch.rank, config.parallel.tp_size
+        self.rotate = config.pd.kv_push_dst_rotate
         host = advertised_host(config.server.host)
         port = config.pd.transfer_listen_port + self.rank
         self.engine = TransferEngine()
@@ -128,29 +146,38 @@ class MooncakeTransferConnector(KVConnector):
                 "dtype": str(c.dtype)}
 
     def save(self, pairs: list[tuple[int, int]]) -> None:
-        raise NotImplementedError("the transfer connector only pulls")
+        raise NotImplementedError("the transfer connector only pulls and pushes between instances")
 
     def load(self, pairs: list[tuple[int, int]]) -> None:
-        raise NotImplementedError("the transfer connector only pulls")
+        raise NotImplementedError("the transfer connector only pulls and pushes between instances")
 
     def apply(self, transfers: KVTransfers) -> dict[str, str]:
+        return self._run(transfers.pulls, "pull")
+
+    def after_forward(self, transfers: KVTransfers) -> dict[str, str]:
+        return self._run(transfers.pushes, "push")
+
+    def _run(self, moves: list[KVPull] | list[KVPush], kind: str) -> dict[str, str]:
         failed = {}
-        for pull in transfers.pulls:
-            why = self._pull(pull)
+        for move in moves:
+            why = self._move(move, kind == "push")
             if why is not None:
-                failed[pull.request_id] = why
-                logger.warning("KV pull for %s failed: %s", pull.request_id, why)
+                failed[move.request_id] = why
+                logger.warning("KV %s for %s failed: %s", kind, move.request_id, why)
         return failed
 
-    def _pull(self, pull: KVPull) -> str | None:
+    def _move(self, move: KVPull | KVPush, push: bool) -> str | None:
+        """Copy the move's blocks between this rank's cache and the peer ranks that hold the same KV
+        heads: read them (a pull) or write them (a push), one batch per peer rank."""
         mine = self.caches[0]
         _, heads, blocks, bs, dim = mine.shape
         elt = mine.element_size()
-        peers = pull.peers
+        peers = move.peers
         peer_heads = peers[0].shape[1]
+        other = "decode" if push else "prefill"
         if len(self.caches) != len(peers[0].ptrs) or tuple(peers[0].shape[3:]) != (bs, dim) \
                 or peers[0].dtype != str(mine.dtype) or peer_heads * len(peers) != heads * self.tp:
-            return (f"the prefill instance's cache ({len(peers)} rank(s) of {tuple(peers[0].shape)} {peers[0].dtype}, "
+            return (f"the {other} instance's cache ({len(peers)} rank(s) of {tuple(peers[0].shape)} {peers[0].dtype}, "
                     f"{len(peers[0].ptrs)} layers) does not match this one's ({self.tp} rank(s) of {tuple(mine.shape)} "
                     f"{mine.dtype}, {len(self.caches)} layers): same model, dtype and block size needed")
         chunk = bs * dim * elt
@@ -160,21 +187,27 @@ class MooncakeTransferConnector(KVConnector):
             for kv in range(2):
                 for j in range(heads):
                     g = self.rank * heads + j  # the global KV head
-                    src_rank, h = divmod(g, peer_heads)
-                    peer = peers[src_rank]
+                    peer_rank, h = divmod(g, peer_heads)
+                    peer = peers[peer_rank]
                     peer_blocks = peer.shape[2]
-                    dsts, srcs, lens = by_peer.setdefault(src_rank, ([], [], []))
-                    for rb, lb in zip(pull.remote_blocks, pull.local_blocks):
-                        srcs.append(peer.ptrs[layer] + ((kv * peer_heads + h) * peer_blocks + rb) * chunk)
-                        dsts.append(base + ((kv * heads + j) * blocks + lb) * chunk)
+                    local, remote, lens = by_peer.setdefault(peer_rank, ([], [], []))
+                    for rb, lb in zip(move.remote_blocks, move.local_blocks):
+                        remote.append(peer.ptrs[layer] + ((kv * peer_heads + h) * peer_blocks + rb) * chunk)
+                        local.append(base + ((kv * heads + j) * blocks + lb) * chunk)
                         lens.append(chunk)
-        for src_rank, (dsts, srcs, lens) in by_peer.items():
+        for peer_rank in peer_order(sorted(by_peer), self.rank, push and self.rotate):
+            local, remote, lens = by_peer[peer_rank]
+            addr = peers[peer_rank].addr
+            verb = "writing to" if push else "reading from"
             try:
-                rc = self.engine.batch_transfer_sync_read(peers[src_rank].addr, dsts, srcs, lens)
+                if push:
+                    rc = self.engine.batch_transfer_sync_write(addr, local, remote, lens)
+                else:
+                    rc = self.engine.batch_transfer_sync_read(addr, local, remote, lens)
             except Exception as exc:  # the transport's own errors
-                return f"reading from the prefill instance's rank {src_rank} ({peers[src_rank].addr}) failed: {exc}"
+                return f"{verb} the {other} instance's rank {peer_rank} ({addr}) failed: {exc}"
             if rc != 0:
-                return (f"reading from the prefill instance's rank {src_rank} ({peers[src_rank].addr}) failed "
+                return (f"{verb} the {other} instance's rank {peer_rank} ({addr}) failed "
                         f"(transfer engine code {rc}): is it still running?")
         return None
 
@@ -186,6 +219,16 @@ class MooncakeTransferConnector(KVConnector):
                 except Exception:
                     pass
         self.caches = []
+
+
+def peer_order(peer_ranks: list[int], rank: int, rotate: bool) -> list[int]:
+    """The order in which a rank visits the peer ranks it sends to: ascending, or, with
+    --kv_push_dst_rotate, starting at the one its own rank number points at (rank mod their count), so
+    the prefill ranks of a TP group do not all write to the decode instance's rank 0 first."""
+    if not rotate or not peer_ranks:
+        return list(peer_ranks)
+    k = rank % len(peer_ranks)
+    return list(peer_ranks[k:]) + list(peer_ranks[:k])
 
 
 def peers_from(params: dict[str, Any]) -> tuple[PeerRank, ...]:

@@ -368,13 +368,28 @@ class ModelRunner:
         for name, transfers in so.kv_transfers.items():
             failed.update(self.kv_connectors[name].apply(transfers))
         pulls = [p.request_id for t in so.kv_transfers.values() for p in t.pulls]
-        if pulls and self.pctx.tp_size > 1:
-            flags = torch.tensor([1.0 if r in failed else 0.0 for r in pulls], device=self.device)
+        return self._agree(pulls, failed, "pull its share of the KV blocks") or None
+
+    def _push_kv(self, so: SchedulerOutput, failed: dict[str, str] | None) -> dict[str, str] | None:
+        """After the forward: write the blocks it completed to the instances that reserved them (PD,
+        PUSH); the requests whose push failed join `failed` (every rank alike)."""
+        out = dict(failed or {})
+        pushed = []
+        for name, transfers in so.kv_transfers.items():
+            if transfers.pushes:
+                out.update(self.kv_connectors[name].after_forward(transfers))
+                pushed += [p.request_id for p in transfers.pushes]
+        return self._agree(pushed, out, "push its share of the KV blocks") or None
+
+    def _agree(self, request_ids: list[str], failed: dict[str, str], what: str) -> dict[str, str]:
+        """Make every rank report the requests of `request_ids` that failed on any rank (one all-reduce)."""
+        if request_ids and self.pctx.tp_size > 1:
+            flags = torch.tensor([1.0 if r in failed else 0.0 for r in request_ids], device=self.device)
             flags = self.pctx.communicator.all_reduce(flags)
-            for r, f in zip(pulls, flags.tolist()):
+            for r, f in zip(request_ids, flags.tolist()):
                 if f > 0 and r not in failed:
-                    failed[r] = "another tensor-parallel rank could not pull its share of the KV blocks"
-        return failed or None
+                    failed[r] = f"another tensor-parallel rank could not {what}"
+        return failed
 
     def initialize_cache(self, num_blocks: int, host_blocks: int = 0) -> None:
         """Allocate the caches, then capture the decode graphs (`--enable_graph`), all of them now,
@@ -495,6 +510,10 @@ class ModelRunner:
             if r.want_prompt_logprobs:
                 prompt_lps[i] = self._prompt_logprobs(r, hidden[ends[i] - len(r.new_token_ids):ends[i]])
         t3 = time.perf_counter()
+        if so.kv_transfers is not None and any(t.pushes for t in so.kv_transfers.values()):
+            t_push = time.perf_counter()
+            kv_failed = self._push_kv(so, kv_failed)
+            kv_s["kv_push"] = time.perf_counter() - t_push
         drafts = None
         if self.drafter is not None:
             drafts = self.drafter.propose(reqs, [sampled[i][0] if i in sampled else [] for i in range(len(reqs))])

@@ -88,6 +88,15 @@ class Request:
     kv_pull: Any = None
     """PD, on a DECODE instance: (the prefill instance's ranks, its block ids) to pull the prompt's K/V
     from when admitted; its first output token came with them. None once pulled."""
+    kv_push: Any = None
+    """PD PUSH, on a PREFILL instance: (the decode instance's ranks, its reserved block ids, how many
+    leading blocks it already had) to write the prompt's K/V into right after the forward that
+    completes the prompt. None once scheduled."""
+    pd_reservation: str | None = None
+    """PD PUSH, on a PREFILL instance: the decode instance's reservation its K/V goes to."""
+    kv_reserved: bool = False
+    """PD PUSH, on a DECODE instance: the request took over a reservation's blocks, which the prefill
+    instance filled with the prompt's K/V; admitted without computing the prompt."""
     pd_first_token: bool = False
     """The first output token came from the prefill instance and is not yet reported."""
     error: str | None = None

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from heterollm.config.scheduling import SchedulerConfig
 from heterollm.scheduler.request import Request, RequestRejected, RequestStatus
 from heterollm.interfaces import RunnerOutput, ScheduledRequest, SchedulerOutput
-from heterollm.interfaces.kv_connector import KVPull, KVTransfers
+from heterollm.interfaces.kv_connector import KVPull, KVPush, KVTransfers
 from heterollm.kv_cache.pd import HOLD_TIMEOUT_S
 from heterollm.kv_cache import KVCacheManager
 from heterollm.scheduler.latency import LatencyTargets
@@ -82,6 +82,11 @@ class Scheduler:
         """PD, PREFILL: finished requests whose blocks are kept for a pull -> when they are freed anyway."""
         self._pulls: list[KVPull] = []
         """PD, DECODE: pulls of the requests admitted this step."""
+        self.reserved: dict[str, tuple[float, int]] = {}
+        """PD PUSH, DECODE: reservation id -> (when its blocks are freed anyway, its prompt's length). The
+        blocks are `kv.tables[reservation id]` until a request claims them."""
+        self._pushes: list[KVPush] = []
+        """PD PUSH, PREFILL: pushes of the requests whose prompt this step completes."""
         self.num_preemptions = 0
         self.num_deadline_missed = 0
         """Requests that waited past their TTFT deadline before being admitted (reported once each)."""
@@ -149,6 +154,42 @@ class Scheduler:
             logger.warning("PD: the blocks kept for %s were not released within %.0f s; freeing them", request_id,
                            HOLD_TIMEOUT_S)
             self.release_held(request_id)
+        for rid in [r for r, (deadline, _) in self.reserved.items() if deadline <= now]:
+            logger.warning("PD: reservation %s was not claimed within %.0f s; freeing its blocks", rid,
+                           HOLD_TIMEOUT_S)
+            self.cancel_reservation(rid)
+
+    # -- PD PUSH reservations (DECODE) ---------------------------------------------------------
+    def reserve(self, reservation_id: str, tokens: list[int]) -> tuple[int, list[int]] | None:
+        """Blocks for a prompt whose K/V a prefill instance will write, and for its first output token:
+        the prefix cache's blocks shared, the rest allocated. Returns (the leading blocks the prefix
+        cache already held, the block table); None when the cache has no room now."""
+        n = len(tokens)
+        cached = 0
+        if self.kv.enable_prefix_cache:
+            cached = self.kv.match_prefix(reservation_id, tokens)
+        cached = min(cached, (n - 1) // self.kv.block_size * self.kv.block_size)
+        if self.kv.allocate(reservation_id, n + 1) is None:
+            self.kv.drop(reservation_id)
+            return None
+        self.reserved[reservation_id] = (self.clock() + HOLD_TIMEOUT_S, n)
+        return cached // self.kv.block_size, list(self.kv.tables[reservation_id])
+
+    def cancel_reservation(self, reservation_id: str) -> bool:
+        """Free a reservation's blocks; False when there is none (claimed, expired or unknown)."""
+        if self.reserved.pop(reservation_id, None) is None:
+            return False
+        self.kv.free(reservation_id)
+        return True
+
+    def claim(self, reservation_id: str, request: Request) -> None:
+        """Give a reservation's blocks (filled by the prefill instance) to `request` (which has been
+        `add`ed); it is admitted without computing its prompt."""
+        if self.reserved.pop(reservation_id, None) is None:
+            raise RequestRejected("kv_transfer_params", f"reservation {reservation_id!r} is unknown or expired "
+                                  f"(held {HOLD_TIMEOUT_S:.0f} s): the prefill instance's K/V is gone", status=502)
+        self.kv.rename(reservation_id, request.request_id)
+        request.kv_reserved = True
 
     # -- one step --------------------------------------------------------------------------
     def _preempt(self, victim: Request) -> None:
@@ -168,7 +209,7 @@ class Scheduler:
         step = _Step(self.config.max_tokens_per_batch, self.config.max_seqs_per_batch, self.clock(),
                      self.config.enable_chunked_prefill)
         self._release_deferred()
-        if self.held:
+        if self.held or self.reserved:
             self._expire_held(step.now)
         self._order_waiting(step.now)
         step.protect = self.latency is not None and any(r.is_decoding for r in self.running)
@@ -215,7 +256,7 @@ class Scheduler:
             need = lim.footprint(request.num_prompt_tokens, bs)
             if busy and lim.splits_cache and footprint + need > lim.prefill_block_ratio * self.kv.pool.num_blocks:
                 break
-            if request.kv_pull is not None:
+            if request.kv_pull is not None or request.kv_reserved:
                 if not self._admit_pulled(step, request):
                     break
                 del self.waiting[i]
@@ -252,17 +293,24 @@ class Scheduler:
         """PD, DECODE: a request whose prompt K/V is on a prefill instance. Blocks for the prompt and
         its first token (already sampled there) are allocated; the prompt's blocks this cache does not
         hold are pulled before this step's forward, which decodes the first token."""
-        peers, remote_blocks = request.kv_pull
         prompt = request.num_prompt_tokens
-        cached = self._match_prefix(request) if request.num_computed_tokens == 0 else 0
-        cached = min(cached, (prompt - 1) // self.kv.block_size * self.kv.block_size)
-        if self.kv.allocate(request.request_id, prompt + 1 + self._room(request, 1, prompt)) is None:
-            return False
-        table = self.kv.tables[request.request_id]
-        first, last = cached // self.kv.block_size, self.kv.blocks_for(prompt)
-        self._pulls.append(KVPull(request.request_id, peers, tuple(remote_blocks[first:last]),
-                                  tuple(table[first:last])))
-        request.kv_pull = None
+        if request.kv_reserved:  # PUSH: the reservation's blocks hold the prompt's K/V already
+            room = self._room(request, 1, prompt)
+            if room and self.kv.allocate(request.request_id, prompt + 1 + room) is None:
+                room = 0
+            cached = 0
+            request.kv_reserved = False
+        else:
+            peers, remote_blocks = request.kv_pull
+            cached = self._match_prefix(request) if request.num_computed_tokens == 0 else 0
+            cached = min(cached, (prompt - 1) // self.kv.block_size * self.kv.block_size)
+            if self.kv.allocate(request.request_id, prompt + 1 + self._room(request, 1, prompt)) is None:
+                return False
+            table = self.kv.tables[request.request_id]
+            first, last = cached // self.kv.block_size, self.kv.blocks_for(prompt)
+            self._pulls.append(KVPull(request.request_id, peers, tuple(remote_blocks[first:last]),
+                                      tuple(table[first:last])))
+            request.kv_pull = None
         request.num_computed_tokens = prompt
         if request.num_cached_tokens is None:
             request.num_cached_tokens = cached
@@ -463,16 +511,28 @@ class Scheduler:
                     item.spec_parents = r.spec_parents[:len(drafts)]
             r.spec_token_ids = []
             r.spec_parents = None
+            if r.kv_push is not None and start + num_new >= r.num_prompt_tokens:
+                self._push(r)
             r.num_computed_tokens = start + num_new
             r.num_pending += sample
         finished, self._finished_since_last = self._finished_since_last, []
         # the host tier's copies go with a step that runs (an empty one may be skipped): they come
         # from this step's allocations, and any earlier ones wait for it
         transfers = self.kv.take_transfers() if items else None
-        if self._pulls:
-            transfers = {**(transfers or {}), "mooncake_transfer": KVTransfers(pulls=self._pulls)}
-            self._pulls = []
+        if self._pulls or self._pushes:
+            transfers = {**(transfers or {}), "mooncake_transfer": KVTransfers(pulls=self._pulls,
+                                                                               pushes=self._pushes)}
+            self._pulls, self._pushes = [], []
         return SchedulerOutput(items, finished, kv_transfers=transfers)
+
+    def _push(self, r: Request) -> None:
+        """PD PUSH, PREFILL: this step completes `r`'s prompt; right after its forward, the blocks the
+        decode instance lacks go into the ones it reserved."""
+        peers, remote_blocks, skip = r.kv_push
+        last = self.kv.blocks_for(r.num_prompt_tokens)
+        table = self.kv.tables[r.request_id]
+        self._pushes.append(KVPush(r.request_id, peers, tuple(table[skip:last]), tuple(remote_blocks[skip:last])))
+        r.kv_push = None
 
     @staticmethod
     def _have(r: Request) -> int:

@@ -1,17 +1,30 @@
-"""The router's side of prefill/decode disaggregation (the PULL protocol; README "Disaggregated serving").
+"""The router's side of prefill/decode disaggregation (README "Disaggregated serving"; the instances'
+side is kv_cache/pd.py). The DECODE instance's --kv_cache_transfer_mode picks the protocol: the router
+asks the least loaded DECODE instance D for a block reservation, and D answers with one (PUSH) or
+with only its mode (PULL; the router remembers it and asks that D no more).
 
-One client request, when its model has PREFILL and DECODE instances:
-1. the least loaded PREFILL instance P computes the prompt: the client's body with stream false,
-   max_tokens 1 (chat: max_completion_tokens 1 too), n 1, no stream_options and
+PUSH, one client request:
+1. D reserves blocks for the prompt: the client's body with stream false and
+   `"kv_transfer_params": {"do_remote_prefill": true, "reserve": true}`, answered at once;
+2. the least loaded PREFILL instance P computes the prompt (the body of PULL's step 1, its
+   kv_transfer_params D's reservation) and writes the K/V into D's blocks; its answer's
+   `kv_transfer_params` says they are there;
+3. D gets the client's own body plus P's `kv_transfer_params`; its answer is the client's.
+P that cannot be reached: another P. P that could not write (502 kv_transfer_failed): D's reservation
+is cancelled and the flow runs once more from step 1 on another D when there is one. D that cannot be
+reached in step 3: a 502 (its reservation is freed after its hold timeout).
+
+PULL, one client request:
+1. P computes the prompt: the client's body with stream false, max_tokens 1 (chat:
+   max_completion_tokens 1 too), n 1, no stream_options and
    `"kv_transfer_params": {"do_remote_decode": true}`; P answers with a top-level `kv_transfer_params`;
-2. the least loaded DECODE instance D gets the client's own body plus P's `kv_transfer_params` as they
-   came, pulls the KV cache from P and generates; its answer (streamed as the client asked) is the
-   client's answer;
+2. the least loaded D gets the client's own body plus P's `kv_transfer_params` as they came, pulls
+   the KV cache from P and generates; its answer (streamed as the client asked) is the client's answer;
 3. after D's answer ends, P is told to release the blocks (POST /v1/kv_transfer/release, best effort).
-
 P that cannot be reached: another P. D that cannot be reached: another D (P's params hold until
 released). D that could not pull the KV cache (502 kv_transfer_failed, or that error as a stream's
 first event): the whole flow once more on another P when there is one, else that error is the answer.
+
 Every call has a timeout (--connect_timeout, --request_timeout; RELEASE_TIMEOUT_S for a release).
 """
 from __future__ import annotations
@@ -39,12 +52,20 @@ KV_TRANSFER_FAILED = "kv_transfer_failed"
 RELEASE_TIMEOUT_S = 5.0
 
 
-def prefill_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
-    """What P computes: the prompt and one token, not streamed, its KV cache kept for a DECODE instance."""
+def prefill_body(body: dict[str, Any], chat: bool, reservation: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What P computes: the prompt and one token, not streamed, its KV cache kept for a DECODE instance
+    (PULL) or written into D's `reservation` (PUSH)."""
     out = {k: v for k, v in body.items() if k != "stream_options"}
-    out.update(stream=False, max_tokens=1, n=1, kv_transfer_params={"do_remote_decode": True})
+    out.update(stream=False, max_tokens=1, n=1, kv_transfer_params=reservation or {"do_remote_decode": True})
     if chat:
         out["max_completion_tokens"] = 1
+    return out
+
+
+def reserve_body(body: dict[str, Any]) -> dict[str, Any]:
+    """What D is asked first: the client's prompt, for a block reservation answered at once."""
+    out = {k: v for k, v in body.items() if k != "stream_options"}
+    out.update(stream=False, n=1, kv_transfer_params={"do_remote_prefill": True, "reserve": True})
     return out
 
 
@@ -90,6 +111,76 @@ class PDFlow:
         self._releases: set[asyncio.Task] = set()
 
     async def run(self, path: str, body: dict[str, Any], headers: dict[str, str], model: str | None) -> Response:
+        tried_d: set[str] = set()
+        retried = False
+        while True:
+            d = self.router.policy.pick(self.router.pool, ("DECODE",), model, tried_d)
+            if d is None:
+                return error_response(503, "no instance available: no DECODE instance" +
+                                      (f" left (failed: {', '.join(sorted(tried_d))})" if tried_d else ""))
+            if d.kv_mode == "PULL":
+                return await self._run_pull(path, body, headers, model)
+            reservation = await self._reserve(d, path, body, headers)
+            if reservation is None:  # unreachable
+                tried_d.add(d.name)
+                continue
+            if isinstance(reservation, Response):
+                return reservation
+            if "reservation_id" not in reservation:
+                d.kv_mode = reservation.get("kv_cache_transfer_mode", "PULL")
+                return await self._run_pull(path, body, headers, model)
+            d.kv_mode = "PUSH"
+            answer = await self._run_push(path, body, headers, model, d, reservation)
+            if not isinstance(answer, _Failed):
+                return answer
+            tried_d.add(d.name)
+            if retried or self.router.policy.pick(self.router.pool, ("DECODE",), model, tried_d) is None:
+                return answer.response
+            logger.warning("the prefill instance could not write into %s's reservation; the request runs again "
+                           "on another DECODE instance", d.name)
+            retried = True
+
+    async def _reserve(self, d: Instance, path: str, body: dict[str, Any],
+                       headers: dict[str, str]) -> dict[str, Any] | Response | None:
+        """D's answer to the reservation request: its kv_transfer_params, an error to pass on, or None
+        when D cannot be reached."""
+        router = self.router
+        d.in_flight += 1
+        try:
+            r = await router.client.post(d.url + path, json=reserve_body(body), headers=headers)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            self._down(d, exc)
+            return None
+        except httpx.TimeoutException:
+            return error_response(504, f"DECODE instance {d.name} did not answer its reservation within "
+                                       f"{router.settings.request_timeout}s")
+        except httpx.HTTPError as exc:
+            return error_response(502, f"DECODE instance {d.name} failed: {type(exc).__name__}: {exc}")
+        finally:
+            d.in_flight -= 1
+        if r.status_code != 200:  # the client's request is at fault (400), or D has no room (503): passed on
+            return whole_answer(r.content, r.status_code, r.headers)
+        params = _json(r.content).get("kv_transfer_params")
+        if not isinstance(params, dict):
+            return error_response(502, f"DECODE instance {d.name} answered its reservation without "
+                                       f"kv_transfer_params (is it started with --instance_role DECODE?)")
+        return params
+
+    async def _run_push(self, path: str, body: dict[str, Any], headers: dict[str, str], model: str | None,
+                        d: Instance, reservation: dict[str, Any]) -> Response | _Failed:
+        """Steps 2 and 3 of PUSH: P writes into D's reservation, then D generates."""
+        replica = reservation.get("reservation_replica")
+        prefill = await self._prefill(path, body, headers, model, set(), reservation)
+        if isinstance(prefill, Response):
+            self.release(_Held(d, {"remote_request_id": reservation.get("reservation_id")}, headers))
+            if prefill.status_code == 502 and is_transfer_failure(bytes(prefill.body)):
+                return _Failed(prefill)
+            return prefill
+        params = {**prefill.params, "reservation_replica": replica}
+        return await self._decode(path, body, headers, model, _Held(prefill.p, params, headers), fixed=d)
+
+    async def _run_pull(self, path: str, body: dict[str, Any], headers: dict[str, str],
+                        model: str | None) -> Response:
         tried: set[str] = set()
         retried = False
         while True:
@@ -110,9 +201,9 @@ class PDFlow:
 
     # -- step 1 ----------------------------------------------------------------------------------
     async def _prefill(self, path: str, body: dict[str, Any], headers: dict[str, str], model: str | None,
-                       tried: set[str]) -> _Held | Response:
+                       tried: set[str], reservation: dict[str, Any] | None = None) -> _Held | Response:
         router = self.router
-        payload = prefill_body(body, path.endswith("/chat/completions"))
+        payload = prefill_body(body, path.endswith("/chat/completions"), reservation)
         while True:
             p = router.policy.pick(router.pool, ("PREFILL",), model, tried)
             if p is None:
@@ -142,12 +233,16 @@ class PDFlow:
 
     # -- steps 2 and 3 ---------------------------------------------------------------------------
     async def _decode(self, path: str, body: dict[str, Any], headers: dict[str, str], model: str | None,
-                      held: _Held) -> Response | _Failed:
+                      held: _Held, fixed: Instance | None = None) -> Response | _Failed:
+        """D generates (`fixed`: the D that holds the reservation, else the least loaded one)."""
         router = self.router
         payload = decode_body(body, held.params)
         tried: set[str] = set()
         while True:
-            d = router.policy.pick(router.pool, ("DECODE",), model, tried)
+            d = fixed if fixed is not None else router.policy.pick(router.pool, ("DECODE",), model, tried)
+            if fixed is not None and fixed.name in tried:
+                return error_response(502, f"DECODE instance {fixed.name}, which holds the request's KV cache, "
+                                           f"cannot be reached")
             if d is None:
                 self.release(held)
                 return error_response(503, "no instance available: no DECODE instance" +

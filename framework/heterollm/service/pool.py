@@ -30,6 +30,8 @@ class Instance:
     """Requests this router has sent it that have not finished."""
     down_until: float = 0.0
     """After a failed connection, not picked before this time.monotonic()."""
+    kv_mode: str | None = None
+    """A DECODE instance's --kv_cache_transfer_mode, once its first reservation answer said it."""
 
     @property
     def name(self) -> str:

@@ -7,6 +7,12 @@ DECODE instance, and the KV blocks stay held until `POST /v1/kv_transfer/release
 only the one that computed the prompt holds its blocks). On a DECODE instance a request whose pull
 failed ends with finish_reason "error": the answer is a 502 with type "kv_transfer_failed", or, when
 streamed, that error as the first event (the first output is awaited before anything is sent).
+
+PUSH: a DECODE instance answers a request whose kv_transfer_params say `{"do_remote_prefill": true,
+"reserve": true}` at once with `{"kv_transfer_params": <reservation>}` (LLMEngine.reserve_kv) instead of
+generating; the PREFILL instance's request carries that reservation, and a push that failed is its
+502 kv_transfer_failed; the DECODE instance's own request then carries the PREFILL instance's answer
+(plus `reservation_replica`). `/v1/kv_transfer/release` frees an unclaimed reservation too.
 """
 from __future__ import annotations
 
@@ -84,6 +90,20 @@ class KVTransferRoutes:
 
     def register(self, app: FastAPI) -> None:
         app.add_api_route("/v1/kv_transfer/release", self.release, methods=["POST"])
+
+    async def reserve(self, prompt_token_ids: list[int]) -> Response:
+        """PD PUSH, on a DECODE instance: a generation request whose kv_transfer_params say
+        `"reserve": true` is answered at once with a block reservation for its prompt (on the least
+        loaded replica, which its later request goes back to: `reservation_replica`), or, under
+        --kv_cache_transfer_mode=PULL, with only that mode. RequestRejected propagates (a 400, or 503
+        with no room)."""
+        server = self.server
+        alive = [i for i, r in enumerate(server.replicas) if r.alive] or [0]
+        i = min(alive, key=lambda k: server.replicas[k].load)
+        params = await server.replicas[i].utility("reserve_kv", list(prompt_token_ids))
+        if "reservation_id" in params:
+            params["reservation_replica"] = i
+        return JSONResponse({"kv_transfer_params": params})
 
     async def release(self, request: Request) -> Response:
         server = self.server

@@ -195,12 +195,17 @@ WORKS: dict[str, dict[str, str]] = {
     "include_reasoning": {"chat": "vLLM's: with --reasoning_parser, false leaves reasoning_content out (without the "
                                   "parser false is a 400)"},
     "kv_transfer_params": {"both": "prefill/decode disaggregation (docs: README \"Disaggregated serving\"), set by "
-                                   "`heterollm route`: {\"do_remote_decode\": true} on a PREFILL instance answers "
-                                   "with a top-level kv_transfer_params for the DECODE instance and keeps the KV "
-                                   "blocks until POST /v1/kv_transfer/release; a DECODE instance takes that object "
-                                   "and pulls the KV cache instead of computing the prompt (a failed pull: 502 "
-                                   "kv_transfer_failed, or that error as the first event of a stream); one prompt "
-                                   "only, not with use_beam_search; a value the instance cannot serve: 400 naming it"},
+                                   "`heterollm route`. PUSH: {\"do_remote_prefill\": true, \"reserve\": true} on a "
+                                   "DECODE instance answers at once with a block reservation; that reservation on a "
+                                   "PREFILL instance makes it write the prompt's KV into those blocks (a failed push: "
+                                   "502 kv_transfer_failed) and answer a top-level kv_transfer_params, which on the "
+                                   "DECODE instance takes the blocks over. PULL: {\"do_remote_decode\": true} on a "
+                                   "PREFILL instance answers with a top-level kv_transfer_params for the DECODE "
+                                   "instance and keeps the KV blocks until POST /v1/kv_transfer/release; a DECODE "
+                                   "instance takes that object and pulls the KV cache instead of computing the prompt "
+                                   "(a failed pull: 502 kv_transfer_failed, or that error as the first event of a "
+                                   "stream). One prompt only, not with use_beam_search; a value the instance cannot "
+                                   "serve: 400 naming it"},
     "prompt_cache_key": {"chat": "with --dp_size > 1 replicas, requests with the same key go to the same replica, so "
                                  "they share its prefix cache; with one engine the prefix cache already matches every "
                                  "request's prefix (under attention data parallelism the engine sends a prompt to the "

@@ -196,7 +196,8 @@ class OpenAIServer:
                 "required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}})
         PoolingRoutes(self).register(app)
         WeightRoutes(self).register(app)
-        KVTransferRoutes(self).register(app)
+        self.kv_routes = KVTransferRoutes(self)
+        self.kv_routes.register(app)
         ProfileRoutes(self).register(app)
         return app
 
@@ -367,7 +368,7 @@ class OpenAIServer:
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 # each prompt gets its own copy: the engine fills in max_tokens per request
                 p = dataclasses.replace(params)
-                replica = self._replica(getattr(body, "prompt_cache_key", None))
+                replica = self._replica(getattr(body, "prompt_cache_key", None), kv_transfer_params)
                 streams.append(await replica.add(text if text is not None else ids, p, rid,
                                                            prompt_token_ids=ids,
                                                            first_output_timeout=self.settings.max_waiting_time,
@@ -380,9 +381,14 @@ class OpenAIServer:
             raise
         return streams
 
-    def _replica(self, prompt_cache_key: str | None) -> AsyncEngine | EngineCoreClient:
+    def _replica(self, prompt_cache_key: str | None,
+                 kv_transfer_params: dict[str, Any] | None = None) -> AsyncEngine | EngineCoreClient:
         """The replica for a request: the one with the least outstanding work, or, for a request with a
-        prompt_cache_key, the one that key always maps to (so it finds the prefixes its key cached)."""
+        prompt_cache_key, the one that key always maps to (so it finds the prefixes its key cached),
+        or, for a PD PUSH answer, the one holding its reservation."""
+        replica = (kv_transfer_params or {}).get("reservation_replica")
+        if isinstance(replica, int) and 0 <= replica < len(self.replicas):
+            return self.replicas[replica]
         alive = [r for r in self.replicas if r.alive] or self.replicas[:1]
         if prompt_cache_key is not None:
             return alive[zlib.crc32(prompt_cache_key.encode()) % len(alive)]
@@ -461,6 +467,8 @@ class OpenAIServer:
             requested = max(1, min(16, self.engine.max_model_len - longest))
         max_tokens = self._max_tokens(longest, requested, "prompt", "max_tokens")
         kv_params = transfer_params(body, len(prompts))
+        if kv_params and kv_params.get("reserve"):
+            return await self.kv_routes.reserve(prompts[0][1])
         if body.use_beam_search:
             return await self._beam_search(request, body, prompts, max_tokens, "text_completion")
         want_prompt_lps = body.requested_prompt_logprobs(body.logprobs if body.echo else None)
@@ -500,6 +508,11 @@ class OpenAIServer:
                                       "max_completion_tokens" if body.max_completion_tokens is not None
                                       else "max_tokens")
         kv_params = transfer_params(body, 1)
+        if kv_params and kv_params.get("reserve"):
+            if mm_items:
+                raise BadRequest("kv_transfer_params: a prompt with images is not served disaggregated",
+                                 "kv_transfer_params")
+            return await self.kv_routes.reserve(ids)
         if body.use_beam_search:
             return await self._beam_search(request, body, [(None, ids)], max_tokens, "chat.completion")
         top = (body.top_logprobs or 0) if body.logprobs else None

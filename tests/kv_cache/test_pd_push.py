@@ -1,0 +1,251 @@
+"""Prefill/decode disaggregation in PUSH mode (xLLM's default), engine side (kv_cache/pd.py): a
+DECODE engine reserves blocks for a prompt, the PREFILL engine writes the prompt's K/V into them over
+Mooncake's transfer engine (TCP, real) right after its forward, and the DECODE engine takes them over
+and decodes with the same greedy tokens as one instance; its prefix cache means fewer blocks are
+written; a push to a dead peer ends only that request; unclaimed reservations are freed; every block
+comes back on both sides; the two instances must run the same mode."""
+from __future__ import annotations
+
+import pytest
+
+from heterollm.scheduler.request import RequestRejected
+
+from test_pd_engine import COMMON, drain, free_port, greedy, prompts, tiny  # noqa: F401 (fixtures)
+
+
+@pytest.fixture(scope="module")
+def push_instances(tiny):
+    from heterollm import LLM
+
+    p = LLM(str(tiny), instance_role="PREFILL", transfer_listen_port=free_port(), **COMMON)
+    d = LLM(str(tiny), instance_role="DECODE", transfer_listen_port=free_port(), **COMMON)
+    assert p.engine.config.pd.kv_cache_transfer_mode == "PUSH" == d.engine.config.pd.kv_cache_transfer_mode
+    yield p.engine, d.engine
+    p.shutdown()
+    d.shutdown()
+
+
+def prefill_into(p, prompt, reservation, request_id=None):
+    from heterollm import SamplingParams
+
+    p.add_request(prompt, SamplingParams(max_tokens=1, temperature=0), request_id=request_id,
+                  kv_transfer_params=reservation)
+    return drain(p)
+
+
+def test_push_gives_one_instances_tokens_and_frees_every_block(tiny, prompts, push_instances):
+    from heterollm import LLM
+
+    ref = LLM(str(tiny), **COMMON)
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, greedy())]
+    ref.shutdown()
+    p, d = push_instances
+    free_p, free_d = p.kv.num_free_blocks, d.kv.num_free_blocks
+    pushed0 = p.stats()["kv_push_blocks"]
+    got, written = [], 0
+    for prompt in prompts:
+        res = d.reserve_kv(prompt)
+        assert res["num_prompt_tokens"] == len(prompt) and len(res["remote_ranks"]) == 1
+        assert len(res["remote_block_ids"]) == -(-(len(prompt) + 1) // 8), "the prompt and its first token"
+        assert d.stats()["kv_reservations"] == 1 and d.kv.num_free_blocks < free_d
+        written += -(-len(prompt) // 8) - res["cached_blocks"]
+        out = prefill_into(p, prompt, res)[-1]
+        kv = out.kv_transfer_params
+        assert out.finished and out.error is None
+        assert kv["reservation_id"] == res["reservation_id"] and kv["first_token_id"] == want[len(got)][0]
+        assert "remote_ranks" not in kv, "nothing is left to pull"
+        assert p.kv.num_free_blocks == free_p, "PUSH keeps nothing on the prefill instance"
+        d.add_request(prompt, greedy(), kv_transfer_params=kv)
+        assert not d.scheduler.reserved, "the request took the reservation over"
+        outs = drain(d)
+        assert outs[0].outputs[0].token_ids[:1] == [kv["first_token_id"]]
+        got.append(outs[-1].outputs[0].token_ids)
+    assert got == want
+    assert p.kv.num_free_blocks == free_p and d.kv.num_free_blocks == free_d
+    assert p.stats()["kv_push_blocks"] - pushed0 == written > 0 and p.stats()["kv_push_seconds"] > 0
+    assert d.stats()["kv_pull_blocks"] == 0
+
+
+def test_the_decode_instances_prefix_cache_means_fewer_blocks_written(prompts, push_instances):
+    p, d = push_instances
+    prompt = prompts[3]  # 39 tokens: 4 full blocks + 7
+    outs = []
+    for _ in range(2):
+        res = d.reserve_kv(prompt)
+        before = p.stats()["kv_push_blocks"]
+        kv = prefill_into(p, prompt, res)[-1].kv_transfer_params
+        outs.append((res["cached_blocks"], p.stats()["kv_push_blocks"] - before))
+        d.add_request(prompt, greedy(3), kv_transfer_params=kv)
+        outs[-1] += (drain(d)[-1].outputs[0].token_ids,)
+    (c1, w1, t1), (c2, w2, t2) = outs
+    assert (c2, w2) == (4, 1) and w1 == 5 - c1 and t1 == t2
+
+
+def test_a_chunked_prefill_pushes_once_its_last_chunk_ran(tiny, prompts, push_instances):
+    """With 16-token chunks the 39-token prompt takes three steps; only the last one pushes, and it
+    pushes every block (the earlier chunks' too)."""
+    from heterollm import LLM
+
+    _, d = push_instances
+    ref = LLM(str(tiny), **COMMON)
+    want = ref.generate([prompts[3]], greedy())[0].outputs[0].token_ids
+    ref.shutdown()
+    p = LLM(str(tiny), instance_role="PREFILL", transfer_listen_port=free_port(), max_tokens_per_chunk_for_prefill=16,
+            **COMMON).engine
+    try:
+        d.scheduler.kv.reset_prefix_cache()
+        res = d.reserve_kv(prompts[3])
+        assert res["cached_blocks"] == 0
+        from heterollm import SamplingParams
+
+        steps, outs = [], []
+        p.add_request(prompts[3], SamplingParams(max_tokens=1, temperature=0), kv_transfer_params=res)
+        while p.has_unfinished():
+            outs += p.step()
+            steps.append(p.stats()["kv_push_blocks"])
+        assert steps == [0, 0, 5]
+        d.add_request(prompts[3], greedy(), kv_transfer_params=outs[-1].kv_transfer_params)
+        assert drain(d)[-1].outputs[0].token_ids == want
+    finally:
+        p.shutdown()
+
+
+def test_a_push_to_a_dead_peer_ends_that_request_only(prompts, push_instances, caplog):
+    p, d = push_instances
+    free_p, free_d = p.kv.num_free_blocks, d.kv.num_free_blocks
+    res = d.reserve_kv(prompts[2])
+    dead = f"127.0.0.1:{free_port()}"
+    bad = {**res, "remote_ranks": [{**res["remote_ranks"][0], "addr": dead}]}
+    from heterollm import SamplingParams
+
+    p.add_request(prompts[2], SamplingParams(max_tokens=1, temperature=0), request_id="doomed",
+                  kv_transfer_params=bad)
+    p.add_request(prompts[1], greedy(4), request_id="plain")
+    with caplog.at_level("WARNING", logger="heterollm.kv_cache.pd"):
+        outs = {o.request_id: o for o in drain(p)}
+    assert [m for m in caplog.messages if m.startswith("KV push")] and all(
+        m.startswith(f"KV push for doomed failed: writing to the decode instance's rank 0 ({dead}) failed")
+        for m in caplog.messages if m.startswith("KV push"))
+    assert outs["doomed"].outputs[0].finish_reason == "error" and outs["doomed"].kv_transfer_params is None
+    assert "pushing the prompt's KV failed" in outs["doomed"].error
+    assert outs["plain"].outputs[0].finish_reason == "length" and len(outs["plain"].outputs[0].token_ids) == 4
+    assert p.kv.num_free_blocks == free_p
+    assert d.release_kv(res["reservation_id"]) and not d.release_kv(res["reservation_id"])
+    assert d.kv.num_free_blocks == free_d and not d.scheduler.reserved
+
+
+def test_an_unclaimed_reservation_is_freed_and_cannot_be_claimed_after(prompts, push_instances, monkeypatch):
+    import heterollm.scheduler.scheduler as sched
+
+    p, d = push_instances
+    free_d = d.kv.num_free_blocks
+    monkeypatch.setattr(sched, "HOLD_TIMEOUT_S", 0.0)
+    res = d.reserve_kv(prompts[1])
+    kv = prefill_into(p, prompts[1], res)[-1].kv_transfer_params
+    d.add_request([5, 6, 7], greedy(1))  # any later step expires the reservation
+    drain(d)
+    assert d.kv.num_free_blocks == free_d and not d.scheduler.reserved
+    with pytest.raises(RequestRejected, match="unknown or expired") as info:
+        d.add_request(prompts[1], greedy(), request_id="late", kv_transfer_params=kv)
+    assert info.value.field == "kv_transfer_params" and info.value.status == 502
+    assert not d.has_unfinished() and d.kv.num_free_blocks == free_d
+
+
+def test_a_full_cache_refuses_a_reservation_and_an_aborted_claim_frees_it(prompts, push_instances):
+    p, d = push_instances
+    free_d = d.kv.num_free_blocks
+    big = [7] * 100  # 13 blocks each: a fourth does not fit the 40-block pool
+    held = [d.reserve_kv(big) for _ in range(3)]
+    with pytest.raises(RequestRejected, match="no room for 100 prompt tokens") as info:
+        d.reserve_kv(big)
+    assert info.value.status == 503
+    with pytest.raises(RequestRejected, match="max_model_len 128") as info:
+        d.reserve_kv([7] * 128)
+    assert info.value.field == "prompt"
+    for res in held:
+        d.release_kv(res["reservation_id"])
+    assert d.kv.num_free_blocks == free_d
+    res = d.reserve_kv(prompts[1])
+    kv = prefill_into(p, prompts[1], res)[-1].kv_transfer_params
+    d.add_request(prompts[1], greedy(), request_id="gone", kv_transfer_params=kv)
+    d.abort("gone")
+    drain(d)
+    assert d.kv.num_free_blocks == free_d and not d.has_unfinished()
+
+
+def test_both_instances_must_run_the_same_mode_and_bad_params_are_refused(tiny, prompts, push_instances):
+    p, d = push_instances
+    res = d.reserve_kv(prompts[1])
+    cases = [
+        (p, {"do_remote_decode": True}, "runs --kv_cache_transfer_mode=PUSH, the decode instance PULL"),
+        (p, {**res, "num_prompt_tokens": 3}, "reserved blocks for 3 prompt tokens"),
+        (p, {**res, "remote_block_ids": [1]}, "remote_block_ids do not cover the prompt"),
+        (p, {**res, "cached_blocks": 9}, "remote_block_ids do not cover the prompt"),
+        (p, {**res, "block_size": 16}, "block_size 16"),
+        (p, {k: v for k, v in res.items() if k != "cached_blocks"}, "not a decode instance's reservation"),
+        (d, {"do_remote_prefill": True, "remote_ranks": res["remote_ranks"], "remote_block_ids": [1, 2],
+             "first_token_id": 1, "prompt_token_ids": prompts[1], "block_size": 8}, "these params are a PULL"),
+        (d, {"do_remote_prefill": True, "reservation_id": res["reservation_id"], "first_token_id": 1,
+             "prompt_token_ids": prompts[1][:-1]}, "prompt_token_ids differ"),
+        (d, {"do_remote_prefill": True, "reservation_id": res["reservation_id"], "first_token_id": -1,
+             "prompt_token_ids": prompts[1]}, "outside the vocabulary"),
+        (d, {"do_remote_prefill": True, "reservation_id": "kvres-none", "first_token_id": 1,
+             "prompt_token_ids": prompts[1]}, "unknown or expired"),
+    ]
+    for engine, params, words in cases:
+        with pytest.raises(RequestRejected, match=words) as info:
+            engine.add_request(prompts[1], greedy(1), kv_transfer_params=params)
+        assert info.value.field == "kv_transfer_params"
+    with pytest.raises(RequestRejected, match="role is PREFILL"):
+        p.reserve_kv(prompts[1])
+    assert not p.has_unfinished() and not d.has_unfinished()
+    assert d.scheduler.reserved.keys() == {res["reservation_id"]}
+    assert d.release_kv(res["reservation_id"])
+
+
+def test_a_pull_decode_instance_answers_a_reservation_with_its_mode(tiny):
+    from heterollm import LLM
+
+    d = LLM(str(tiny), instance_role="DECODE", kv_cache_transfer_mode="PULL", transfer_listen_port=free_port(),
+            **COMMON)
+    try:
+        assert d.engine.reserve_kv([1, 2, 3]) == {"kv_cache_transfer_mode": "PULL"}
+        assert not d.engine.scheduler.reserved
+    finally:
+        d.shutdown()
+
+
+def test_dst_rotate_starts_each_rank_at_another_peer():
+    from heterollm.kv_cache.pd import peer_order
+
+    assert [peer_order([0, 1, 2, 3], r, False) for r in range(3)] == [[0, 1, 2, 3]] * 3
+    assert [peer_order([0, 1, 2, 3], r, True) for r in range(5)] == [
+        [0, 1, 2, 3], [1, 2, 3, 0], [2, 3, 0, 1], [3, 0, 1, 2], [0, 1, 2, 3]]
+    assert peer_order([2, 3], 1, True) == [3, 2] and peer_order([], 1, True) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp_p,tp_d,rotate", [(1, 2, False), (2, 1, True)])
+def test_push_across_tensor_parallel_sizes(tiny, prompts, tp_p, tp_d, rotate):
+    """Each PREFILL rank writes its own heads into whichever DECODE rank holds them."""
+    from heterollm import LLM
+
+    ref = LLM(str(tiny), **COMMON)
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, greedy())]
+    ref.shutdown()
+    p = LLM(str(tiny), instance_role="PREFILL", transfer_listen_port=free_port(), tp_size=tp_p,
+            kv_push_dst_rotate=rotate, **COMMON)
+    d = LLM(str(tiny), instance_role="DECODE", transfer_listen_port=free_port(), tp_size=tp_d, **COMMON)
+    try:
+        free_d = d.engine.kv.num_free_blocks
+        got = []
+        for prompt in prompts:
+            res = d.engine.reserve_kv(prompt)
+            assert len(res["remote_ranks"]) == tp_d
+            kv = prefill_into(p.engine, prompt, res)[-1].kv_transfer_params
+            d.engine.add_request(prompt, greedy(), kv_transfer_params=kv)
+            got.append(drain(d.engine)[-1].outputs[0].token_ids)
+        assert got == want and d.engine.kv.num_free_blocks == free_d
+    finally:
+        p.shutdown()
+        d.shutdown()
