@@ -17,8 +17,9 @@ run = greedy_run
 
 
 @pytest.mark.parametrize("family,flags", [
-    ("qwen2_moe", {"ep_size": 2}),  # a shared expert scaled by its gate, reduced beside the routed ones
-    ("qwen3_moe", {"enable_expert_parallel": True}),  # FastDeploy's spelling: EP over every TP rank
+    # ~6 s each (two ranks spawned): qwen2_moe and qwen3_moe run in the slow step
+    pytest.param("qwen2_moe", {"ep_size": 2}, marks=pytest.mark.slow),  # a shared expert scaled by its gate
+    pytest.param("qwen3_moe", {"enable_expert_parallel": True}, marks=pytest.mark.slow),  # FastDeploy's spelling
     ("mixtral", {"expert_parallel_degree": 2}),  # xLLM's other spelling
     ("deepseek_v3", {"ep_size": 2}),  # MLA attention tensor-parallel, grouped sigmoid routing, dense layer 0
 ])

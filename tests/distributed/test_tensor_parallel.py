@@ -20,11 +20,15 @@ FLAGS, PROMPTS = PARALLEL_FLAGS, PARALLEL_PROMPTS
 run = greedy_run
 
 
+SLOW = pytest.mark.slow  # ~6 s each (two ranks spawned): the default run keeps one per kind of split
+
+
 @pytest.mark.parametrize("family,shape", [
-    ("llama", {}), ("qwen2", {}), ("qwen3", {}),
+    ("llama", {}), pytest.param("qwen2", {}, marks=SLOW), pytest.param("qwen3", {}, marks=SLOW),
     ("llama", {"num_key_value_heads": 1}),  # fewer KV heads than ranks: each rank holds a replica
-    ("phi3", {}), ("glm4", {}),  # fused checkpoint projections split before sharding; GLM's per-head q/k reorder
-    ("gemma2", {"sliding_window": 8, "head_dim": 16, "attn_logit_softcapping": 2.0}),
+    # fused checkpoint projections split before sharding; GLM's per-head q/k reorder
+    ("phi3", {}), pytest.param("glm4", {}, marks=SLOW),
+    pytest.param("gemma2", {"sliding_window": 8, "head_dim": 16, "attn_logit_softcapping": 2.0}, marks=SLOW),
     ("gemma3", {"sliding_window": 8, "sliding_window_pattern": 2, "head_dim": 16}),
     # each expert's and the shared expert's intermediate dimension split, one all-reduce per block; a
     # dense layer too. One MoE family: the three share the sharded experts (test_moe.py loads each's shards)
@@ -42,6 +46,7 @@ def test_tp2_equals_tp1(tmp_path, family, shape):
     assert lps2 == pytest.approx(lps1, abs=1e-4)
 
 
+@pytest.mark.slow  # 10 s; the greedy parity above stays in the default run
 def test_random_seed_makes_sampled_text_repeatable_across_ranks(tmp_path):
     """--random_seed seeds every rank's process, not only the engine's: sampling with tp_size=2
     gives the same text on every run (issue 18, defect 6)."""
@@ -100,6 +105,7 @@ def test_a_killed_worker_fails_the_step_and_stops_the_rest(tmp_path):
     llm.shutdown()
 
 
+@pytest.mark.slow  # 9 s; structured output itself is tested on one rank in the default run
 def test_structured_output_across_ranks(tmp_path):
     """The grammar bitmask travels to the worker processes with the step: tp_size=2 gives the
     constrained tokens tp_size=1 gives, and they match the regex."""

@@ -147,6 +147,7 @@ def tiny(tmp_path_factory):
 SMALL = dict(dtype="float32", block_size=16, max_model_len=256, max_tokens_per_batch=256, max_seqs_per_batch=4)
 
 
+@pytest.mark.slow  # 3 ranks spawned (10 s); test_ranks_on_one_host_split_it checks the split in the default run
 def test_tp3_ranks_split_the_host_budget(tmp_path, caplog):
     folder = build_tiny_model(tmp_path / "tp3", "llama", hidden_size=48, intermediate_size=96, num_attention_heads=3,
                               num_key_value_heads=3)

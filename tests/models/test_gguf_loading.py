@@ -57,6 +57,7 @@ def test_unwritable_cache_is_skipped(tmp_path, monkeypatch):
     assert cfg.num_hidden_layers == 30
 
 
+@pytest.mark.slow  # converts the real GGUF three times (18 s)
 def test_metadata_cache_is_invalidated_when_the_file_changes(tmp_path, monkeypatch):
     """The cache is keyed by the file's path, size and modification time (README): a cached entry
     is used as long as they hold, and a touched or moved file is converted afresh."""

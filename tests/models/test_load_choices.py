@@ -145,6 +145,7 @@ def _generate(folder, **flags):
     return [o.outputs[0].token_ids for o in outs], [lp.logprob for o in outs for lp in o.outputs[0].logprobs], reads
 
 
+@pytest.mark.slow  # 9 s with its two-rank run
 def test_default_v1_serves_the_same_tokens_with_one_rank_and_two(tmp_path):
     folder = build_tiny_model(tmp_path / "qwen2", "qwen2")
     tokens, logprobs, full = _generate(folder)

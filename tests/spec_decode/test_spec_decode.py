@@ -178,6 +178,7 @@ def test_stop_string_in_accepted_drafts(models):
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
 
 
+@pytest.mark.slow  # two ranks spawned (7 s)
 def test_tensor_parallel_draft_model(models):
     prompts = _prompts(7)[:3]
     want, _, _ = _run(models["llama"], prompts, GREEDY)
