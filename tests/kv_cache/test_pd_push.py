@@ -199,7 +199,80 @@ def test_both_instances_must_run_the_same_mode_and_bad_params_are_refused(tiny, 
     with pytest.raises(RequestRejected, match="role is PREFILL"):
         p.reserve_kv(prompts[1])
     assert not p.has_unfinished() and not d.has_unfinished()
-    assert d.scheduler.reserved.keys() == {res["reservation_id"]}
+    assert not d.scheduler.reserved, "a refused claim frees the reservation it names"
+    assert not d.release_kv(res["reservation_id"])
+
+
+def test_a_push_never_starts_past_its_reservations_deadline(prompts, push_instances):
+    """The decode instance may have freed (and reused) the blocks of a reservation whose hold ran out:
+    the prefill instance refuses to write into them, with the reason."""
+    import time
+
+    from heterollm import SamplingParams
+
+    p, d = push_instances
+    free_p = p.kv.num_free_blocks
+    res = d.reserve_kv(prompts[1])
+    pushed = p.stats()["kv_push_blocks"]
+    p.add_request(prompts[1], SamplingParams(max_tokens=1, temperature=0), request_id="late",
+                  kv_transfer_params={**res, "expires_at": time.time() + 4})  # inside the 5 s margin
+    out = drain(p)[-1]
+    assert out.outputs[0].finish_reason == "error" and "reservation expired" in out.error
+    assert p.stats()["kv_push_blocks"] == pushed + 2, "counted as scheduled, but nothing was written"
+    assert p.kv.num_free_blocks == free_p and d.release_kv(res["reservation_id"])
+
+
+def test_a_refused_claim_frees_its_reservation_and_reserving_expires_stale_ones(prompts, push_instances, monkeypatch):
+    import heterollm.scheduler.scheduler as sched
+    from heterollm import SamplingParams
+
+    p, d = push_instances
+    free_d = d.kv.num_free_blocks
+    res = d.reserve_kv(prompts[1])
+    kv = prefill_into(p, prompts[1], res)[-1].kv_transfer_params
+    with pytest.raises(RequestRejected, match="first token"):
+        d.add_request(prompts[1], SamplingParams(max_tokens=3, logprobs=1), kv_transfer_params=kv)
+    assert not d.scheduler.reserved and d.kv.num_free_blocks == free_d, "refused after P wrote: freed at once"
+    monkeypatch.setattr(sched, "HOLD_TIMEOUT_S", 0.0)
+    d.reserve_kv(prompts[2])
+    monkeypatch.setattr(sched, "HOLD_TIMEOUT_S", 60.0)
+    fresh = d.reserve_kv(prompts[1])  # an idle engine steps nothing: reserving expires the stale one
+    assert list(d.scheduler.reserved) == [fresh["reservation_id"]]
+    assert d.release_kv(fresh["reservation_id"]) and d.kv.num_free_blocks == free_d
+
+
+def test_a_claimed_request_runs_past_a_request_the_cache_cannot_hold_yet(prompts, push_instances):
+    """Reservations fill the pool; a plain request that does not fit waits (it is not aborted as too
+    big while reservations hold blocks), a claimed one runs past it, and then the plain one fits."""
+    p, d = push_instances
+    free_d = d.kv.num_free_blocks
+    big = [[t + i for t in range(100, 200)] for i in range(3)]  # 13 blocks each, 39 of the 40
+    held = [d.reserve_kv(b) for b in big]
+    kv = prefill_into(p, big[0], held[0])[-1].kv_transfer_params
+    d.add_request([9] * 100, greedy(2), request_id="plain")
+    assert d.step() == [] and d.scheduler.waiting, "the plain request waits"
+    d.add_request(big[0], greedy(2), request_id="claimed", kv_transfer_params=kv)
+    d.release_kv(held[1]["reservation_id"])  # P never came for these two
+    d.release_kv(held[2]["reservation_id"])
+    outs = {o.request_id: o for o in drain(d)}
+    assert outs["claimed"].outputs[0].finish_reason == "length"
+    assert outs["plain"].outputs[0].finish_reason == "length", "not aborted as too big for the cache"
+    assert d.kv.num_free_blocks == free_d
+
+
+def test_only_a_prefill_instance_takes_a_reservation(tiny, push_instances):
+    from heterollm import LLM
+
+    _, d = push_instances
+    res = d.reserve_kv([5, 6, 7])
+    mix = LLM(str(tiny), instance_role="MIX", **COMMON)
+    try:
+        for engine, words in ((mix.engine, "role is MIX; a PREFILL instance .* writes into it"),
+                              (d, "role is DECODE; a PREFILL instance")):
+            with pytest.raises(RequestRejected, match=words):
+                engine.add_request([5, 6, 7], greedy(1), kv_transfer_params={**res})
+    finally:
+        mix.shutdown()
     assert d.release_kv(res["reservation_id"])
 
 

@@ -27,7 +27,9 @@ def latency_targets(config: HeterollmConfig) -> LatencyTargets | None:
     if not prof.enable_latency_aware_schedule:
         return None
     ttft = prof.max_global_ttft_ms if prof.max_global_ttft_ms < INT32_MAX else None
-    return LatencyTargets(StepTimeModel(), prof.max_global_tpot_ms, ttft)
+    targets = LatencyTargets(StepTimeModel(), prof.max_global_tpot_ms, ttft)
+    targets.h2d_control = config.kv_cache_store.enable_control_h2d_block_num
+    return targets
 
 
 def profile_step_time(engine: LLMEngine) -> None:

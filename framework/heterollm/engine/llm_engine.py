@@ -27,7 +27,7 @@ from heterollm.interfaces import RunnerOutput, SchedulerOutput
 from heterollm.kv_cache import DataParallelKVCacheManager, KVCacheManager
 from heterollm.kv_cache.events import make_kv_event_publisher
 from heterollm.kv_cache.host_tier import host_available_bytes, host_slots_for, host_tier_flag
-from heterollm.kv_cache.pd import pd_role, peers_from
+from heterollm.kv_cache.pd import HOLD_TIMEOUT_S, pd_role, peers_from
 from heterollm.kv_cache.store_tier import (SEGMENT_BYTES as STORE_SEGMENT_BYTES, StoreTier, close_store, key_prefix,
                                            open_store)
 from heterollm.model_executor.loader import ModelSource, resolve_model
@@ -84,8 +84,9 @@ class _PDAdmission:
     hold: bool = False
     pull: tuple[Any, list[int]] | None = None
     first_token: int | None = None
-    push: tuple[Any, list[int], int] | None = None
-    """PUSH, PREFILL: (the decode instance's ranks, its reserved blocks, how many it had cached)."""
+    push: tuple[Any, list[int], int, float] | None = None
+    """PUSH, PREFILL: (the decode instance's ranks, its reserved blocks, how many it had cached, when the
+    reservation expires: time.time())."""
     push_reservation: str | None = None
     reservation: str | None = None
     """PUSH, DECODE: the reservation whose blocks the prefill instance filled."""
@@ -372,8 +373,12 @@ class LLMEngine:
             ids, mm_items = self.multimodal.admit(ids, prompt.get("multi_modal_data"), prompt.get("mm_processor_kwargs"))
         if mm_items and params is not None and params.truncate_prompt_tokens is not None:
             raise RequestRejected("truncate_prompt_tokens", "cannot cut a prompt that carries images")
-        params, ids = admit_params(params, ids, self._admission_limits())  # the request's own copy
-        pd = self._pd_admit(kv_transfer_params, ids, params, pooling) if kv_transfer_params else None
+        try:
+            params, ids = admit_params(params, ids, self._admission_limits())  # the request's own copy
+            pd = self._pd_admit(kv_transfer_params, ids, params, pooling) if kv_transfer_params else None
+        except RequestRejected:
+            self._drop_claimed_reservation(kv_transfer_params)
+            raise
         now = time.monotonic()
         parent = _Parent(request_id, text, ids, params, now)
         children = []
@@ -397,6 +402,8 @@ class LLMEngine:
         except BaseException:
             for child in added:
                 self.scheduler.finish(child.request.request_id, "abort")
+            if pd is not None and pd.reservation is not None:  # the prefill is over: nothing writes there now
+                self.scheduler.cancel_reservation(pd.reservation)
             raise
         parent.children = children
         self._parents[request_id] = parent
@@ -419,6 +426,10 @@ class LLMEngine:
             if role not in ("PREFILL", "MIX"):
                 raise RequestRejected("kv_transfer_params", f"do_remote_decode: this instance's role is {role}; "
                                       "a PREFILL instance (--instance_role PREFILL) prefills for a decode instance")
+            if "reservation_id" in kv and (role != "PREFILL" or
+                                           "kv_connectors.mooncake_transfer" not in self.selection.components):
+                raise RequestRejected("kv_transfer_params", f"a decode instance's reservation: this instance's role is "
+                                      f"{role}; a PREFILL instance (--instance_role PREFILL) writes into it")
             if role == "PREFILL" and ("reservation_id" in kv) != (mode == "PUSH"):
                 theirs = "PUSH (it reserved blocks)" if "reservation_id" in kv else "PULL (no reservation)"
                 raise RequestRejected("kv_transfer_params", f"this PREFILL instance runs --kv_cache_transfer_mode="
@@ -462,7 +473,7 @@ class LLMEngine:
             raise RequestRejected("kv_transfer_params", f"first_token_id {first} is outside the vocabulary")
         return _PDAdmission(pull=(peers, remote_blocks), first_token=first)
 
-    def _push_target(self, kv: dict[str, Any], ids: list[int]) -> tuple[Any, list[int], int]:
+    def _push_target(self, kv: dict[str, Any], ids: list[int]) -> tuple[Any, list[int], int, float]:
         """PUSH, PREFILL: where the decode instance's reservation wants the prompt's blocks."""
         try:
             peers = peers_from(kv)
@@ -470,6 +481,7 @@ class LLMEngine:
             skip = int(kv["cached_blocks"])
             n = int(kv["num_prompt_tokens"])
             block_size = int(kv["block_size"])
+            expires_at = float(kv["expires_at"])
         except (KeyError, TypeError, ValueError) as exc:
             raise RequestRejected("kv_transfer_params", f"not a decode instance's reservation: {exc}") from None
         if block_size != self.config.kv_cache.block_size:
@@ -481,7 +493,9 @@ class LLMEngine:
                                   "must serve the same model and chat template")
         if len(blocks) < -(-n // block_size) or not 0 <= skip <= (n - 1) // block_size:
             raise RequestRejected("kv_transfer_params", "remote_block_ids do not cover the prompt")
-        return peers, blocks, skip
+        if any(not 0 <= b < peer.shape[2] for b in blocks for peer in peers):
+            raise RequestRejected("kv_transfer_params", "remote_block_ids name blocks outside the decode instance's cache")
+        return peers, blocks, skip, expires_at
 
     def _pushed(self, kv: dict[str, Any], ids: list[int]) -> _PDAdmission:
         """PUSH, DECODE: the prefill instance's answer after writing into a reservation of this instance."""
@@ -495,12 +509,18 @@ class LLMEngine:
             raise RequestRejected("kv_transfer_params", "prompt_token_ids differ from this instance's tokenization of "
                                   "the prompt: the two instances must serve the same model and chat template")
         held = self.scheduler.reserved.get(reservation)
-        if held is not None and held[1] != len(ids):
-            raise RequestRejected("kv_transfer_params", f"reservation {reservation!r} holds {held[1]} prompt tokens, "
-                                  f"this prompt has {len(ids)}")
+        if held is not None and held[1] != list(ids):
+            raise RequestRejected("kv_transfer_params", f"reservation {reservation!r} was made for another prompt "
+                                  f"({len(held[1])} tokens; this one has {len(ids)})")
         if not 0 <= first < self.vocab_size:
             raise RequestRejected("kv_transfer_params", f"first_token_id {first} is outside the vocabulary")
         return _PDAdmission(reservation=reservation, first_token=first)
+
+    def _drop_claimed_reservation(self, kv: Any) -> None:
+        """A DECODE request that names a reservation (the prefill instance is done writing) was refused:
+        its blocks are freed now, not at the reservation's expiry."""
+        if isinstance(kv, dict) and kv.get("do_remote_prefill") and isinstance(kv.get("reservation_id"), str):
+            self.scheduler.cancel_reservation(kv["reservation_id"])
 
     def reserve_kv(self, prompt_token_ids: list[int]) -> dict[str, Any]:
         """PD PUSH, on a DECODE instance: reserve blocks for a prompt whose K/V a prefill instance will
@@ -525,7 +545,8 @@ class LLMEngine:
         cached, table = got
         return {"do_remote_decode": True, "kv_cache_transfer_mode": "PUSH", "reservation_id": rid,
                 "remote_engine_id": self.engine_id, "remote_ranks": self._pd_ranks, "remote_block_ids": table,
-                "cached_blocks": cached, "num_prompt_tokens": len(ids), "block_size": self.config.kv_cache.block_size}
+                "cached_blocks": cached, "num_prompt_tokens": len(ids), "block_size": self.config.kv_cache.block_size,
+                "expires_at": time.time() + HOLD_TIMEOUT_S}
 
     def _pd_params(self, parent: _Parent) -> dict[str, Any] | None:
         """A finished do_remote_decode request's answer for the DECODE instance."""
@@ -845,6 +866,10 @@ class LLMEngine:
         if self.scheduler.deferred and not self.scheduler.waiting and not self.scheduler.running:
             wait([r.grammar.future for r in self.scheduler.deferred], timeout=0.05, return_when=FIRST_COMPLETED)
             return []
+        if self.scheduler.waiting and not self.scheduler.running and self.scheduler.reserved:
+            time.sleep(0.05)  # PD PUSH: reserved blocks come back when claimed (and run) or expired
+            self.scheduler.schedule_expiry()
+            return []
         if self.scheduler.waiting and not self.scheduler.running:
             stuck = self.scheduler.waiting[0]
             logger.error("request %s cannot be scheduled (KV cache too small for it); aborting it",
@@ -867,6 +892,10 @@ class LLMEngine:
         if self.scheduler.latency is not None:
             self.scheduler.latency.model.observe(
                 [(len(r.new_token_ids), r.num_computed_tokens) for r in so.requests], run_s)
+            host = so.kv_transfers.get("host") if so.kv_transfers is not None else None
+            if host is not None and host.load:
+                self.scheduler.latency.observe_copy(
+                    len(host.load), result.timings.get("kv_load", result.timings.get("kv_transfer", 0.0)))
         if self.kv_events is not None:
             self.kv_events.publish(self.kv.take_events())
         if self.profiler is not None:

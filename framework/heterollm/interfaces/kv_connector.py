@@ -63,6 +63,9 @@ class KVPush:
     """The decode instance's ranks, in rank order."""
     local_blocks: tuple[int, ...]
     remote_blocks: tuple[int, ...]
+    expires_at: float = float("inf")
+    """time.time() after which the decode instance may have freed the blocks: no write may start
+    then (the connector keeps a margin)."""
 
 
 @dataclass
@@ -117,6 +120,15 @@ class KVConnector(Component):
         if transfers.load:
             self.load(transfers.load)
         return {}
+
+    layerwise = False
+    """Whether `load_layers` is built: the runner then splits a step's loads into
+    --layers_wise_copy_batchs groups of layers, copied while the forward runs (model_executor/layerwise.py)."""
+
+    def load_layers(self, pairs: list[tuple[int, int]], layers: range) -> None:
+        """`load` for only these layers' caches (called from another thread than the forward's, one
+        group at a time; the forward reads a layer only after its group returned)."""
+        raise NotImplementedError(f"{type(self).__name__} loads every layer at once")
 
     def after_forward(self, transfers: KVTransfers) -> dict[str, str]:
         """Run the step's moves that need its forward's K/V (`transfers.pushes`), after the forward.

@@ -34,6 +34,7 @@ PUSH (the PREFILL instance writes; xLLM's default):
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,7 +50,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("heterollm.kv_cache.pd")
 
 HOLD_TIMEOUT_S = 60.0
-"""How long a PREFILL instance keeps a finished request's blocks for its DECODE instance to pull."""
+"""How long a PREFILL instance keeps a finished request's blocks for its DECODE instance to pull, and a
+DECODE instance a reservation for its PREFILL instance to push into (PUSH)."""
+PUSH_MARGIN_S = 5.0
+"""A PREFILL instance writes into a reservation only while it has this much of its hold left (the
+instances' wall clocks may differ a little: keep them in sync, e.g. NTP)."""
 ROLES = ("DEFAULT", "MIX", "PREFILL", "DECODE")
 _SPLITWISE = {"mixed": None, "prefill": "PREFILL", "decode": "DECODE"}
 
@@ -169,6 +174,9 @@ class MooncakeTransferConnector(KVConnector):
     def _move(self, move: KVPull | KVPush, push: bool) -> str | None:
         """Copy the move's blocks between this rank's cache and the peer ranks that hold the same KV
         heads: read them (a pull) or write them (a push), one batch per peer rank."""
+        if push and time.time() > move.expires_at - PUSH_MARGIN_S:
+            return (f"the decode instance's reservation expired (held {HOLD_TIMEOUT_S:.0f} s) before this "
+                    "prefill finished: its blocks may be another request's by now, nothing is written")
         mine = self.caches[0]
         _, heads, blocks, bs, dim = mine.shape
         elt = mine.element_size()

@@ -122,6 +122,25 @@ class LatencyTargets:
         self.ttft_s = None if ttft_ms is None else ttft_ms / 1000
         self.num_held = 0
         """Prefill chunks held back or shortened to keep the TPOT target."""
+        self.h2d_control = False
+        """--enable_control_h2d_block_num: cap a step's host-tier copies back (`copy_budget`)."""
+        self.copy_s_per_block: float | None = None
+        """Seconds one block's copy back from the host tier takes (a moving average of measured steps)."""
+        self.num_copies_capped = 0
+        """Requests that took fewer host-tier blocks than they found, the rest recomputed."""
+
+    def observe_copy(self, blocks: int, seconds: float) -> None:
+        if blocks > 0 and seconds > 0:
+            per = seconds / blocks
+            self.copy_s_per_block = per if self.copy_s_per_block is None else 0.8 * self.copy_s_per_block + 0.2 * per
+
+    def copy_budget(self) -> int | None:
+        """--enable_control_h2d_block_num: the host-tier blocks a step may copy back, so the copy takes
+        no longer than the TPOT target the step keeps (xLLM's latency budget): the blocks past it are
+        recomputed instead, in the step's prefill. None: no cap (off, no target, or nothing measured yet)."""
+        if not self.h2d_control or self.copy_s_per_block is None or self.tpot_s is None:
+            return None
+        return int(self.tpot_s / self.copy_s_per_block)
 
     def ttft_at_risk(self, waited_s: float, remaining: int, ctx: int, own_ttft_ms: int | None) -> bool:
         target = own_ttft_ms / 1000 if own_ttft_ms is not None else self.ttft_s

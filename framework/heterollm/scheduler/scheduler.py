@@ -45,6 +45,8 @@ class _Step:
     """Speculative decoding: the drafts scheduled with a request's decode (the tail of its tokens)."""
     shape: list[tuple[int, int]] = field(default_factory=list)
     """(tokens, cached context) of each request taken, for the step-time model."""
+    copy_budget: int | None = None
+    """--enable_control_h2d_block_num: host-tier blocks the step may still copy back (None: any)."""
 
 
 class Scheduler:
@@ -82,9 +84,9 @@ class Scheduler:
         """PD, PREFILL: finished requests whose blocks are kept for a pull -> when they are freed anyway."""
         self._pulls: list[KVPull] = []
         """PD, DECODE: pulls of the requests admitted this step."""
-        self.reserved: dict[str, tuple[float, int]] = {}
-        """PD PUSH, DECODE: reservation id -> (when its blocks are freed anyway, its prompt's length). The
-        blocks are `kv.tables[reservation id]` until a request claims them."""
+        self.reserved: dict[str, tuple[float, list[int], int]] = {}
+        """PD PUSH, DECODE: reservation id -> (when its blocks are freed anyway, its prompt, the tokens its
+        prefix cache held). The blocks are `kv.tables[reservation id]` until a request claims them."""
         self._pushes: list[KVPush] = []
         """PD PUSH, PREFILL: pushes of the requests whose prompt this step completes."""
         self.num_preemptions = 0
@@ -154,25 +156,32 @@ class Scheduler:
             logger.warning("PD: the blocks kept for %s were not released within %.0f s; freeing them", request_id,
                            HOLD_TIMEOUT_S)
             self.release_held(request_id)
-        for rid in [r for r, (deadline, _) in self.reserved.items() if deadline <= now]:
+        for rid in [r for r, (deadline, _, _) in self.reserved.items() if deadline <= now]:
             logger.warning("PD: reservation %s was not claimed within %.0f s; freeing its blocks", rid,
                            HOLD_TIMEOUT_S)
             self.cancel_reservation(rid)
 
+    def schedule_expiry(self) -> None:
+        """Free the holds and reservations whose time is up (schedule() does it too)."""
+        self._expire_held(self.clock())
+
     # -- PD PUSH reservations (DECODE) ---------------------------------------------------------
     def reserve(self, reservation_id: str, tokens: list[int]) -> tuple[int, list[int]] | None:
         """Blocks for a prompt whose K/V a prefill instance will write, and for its first output token:
-        the prefix cache's blocks shared, the rest allocated. Returns (the leading blocks the prefix
-        cache already held, the block table); None when the cache has no room now."""
+        the device prefix cache's blocks shared, the rest allocated (blocks of the host tier or the store
+        are pushed like any other: a copy scheduled now could land after a cancelled reservation's
+        blocks went to another). Returns (the leading blocks the prefix cache already held, the block
+        table); None when the cache has no room now."""
+        self._expire_held(self.clock())  # an idle engine schedules nothing: reservations expire here too
         n = len(tokens)
         cached = 0
         if self.kv.enable_prefix_cache:
-            cached = self.kv.match_prefix(reservation_id, tokens)
+            cached = self.kv.match_prefix(reservation_id, tokens, host_limit=0)
         cached = min(cached, (n - 1) // self.kv.block_size * self.kv.block_size)
         if self.kv.allocate(reservation_id, n + 1) is None:
             self.kv.drop(reservation_id)
             return None
-        self.reserved[reservation_id] = (self.clock() + HOLD_TIMEOUT_S, n)
+        self.reserved[reservation_id] = (self.clock() + HOLD_TIMEOUT_S, list(tokens), cached)
         return cached // self.kv.block_size, list(self.kv.tables[reservation_id])
 
     def cancel_reservation(self, reservation_id: str) -> bool:
@@ -185,11 +194,13 @@ class Scheduler:
     def claim(self, reservation_id: str, request: Request) -> None:
         """Give a reservation's blocks (filled by the prefill instance) to `request` (which has been
         `add`ed); it is admitted without computing its prompt."""
-        if self.reserved.pop(reservation_id, None) is None:
+        held = self.reserved.pop(reservation_id, None)
+        if held is None:
             raise RequestRejected("kv_transfer_params", f"reservation {reservation_id!r} is unknown or expired "
                                   f"(held {HOLD_TIMEOUT_S:.0f} s): the prefill instance's K/V is gone", status=502)
         self.kv.rename(reservation_id, request.request_id)
         request.kv_reserved = True
+        request.num_cached_tokens = held[2]
 
     # -- one step --------------------------------------------------------------------------
     def _preempt(self, victim: Request) -> None:
@@ -213,6 +224,8 @@ class Scheduler:
             self._expire_held(step.now)
         self._order_waiting(step.now)
         step.protect = self.latency is not None and any(r.is_decoding for r in self.running)
+        if self.latency is not None:
+            step.copy_budget = self.latency.copy_budget()
         if not self.config.enable_mix_batch and self.waiting and self._waiting_fits():
             self._admit_waiting(step)  # a prefill-only step
             if step.scheduled:
@@ -246,6 +259,7 @@ class Scheduler:
                         for r in self.running) if lim.splits_cache else 0
         partial, long_partial = self._partial_prefills(step)
         i = 0
+        blocked = False
         while i < len(self.waiting) and step.budget > 0 and step.seqs > 0:
             request = self.waiting[i]
             if request.num_pending:  # preempted while its last step is in flight: wait for its token
@@ -261,7 +275,11 @@ class Scheduler:
                     break
                 del self.waiting[i]
                 continue
-            cached = self._match_prefix(request)
+            if blocked:  # behind a request the cache cannot hold: only claimed reservations, which have blocks
+                i += 1
+                continue
+            cached = self._match_prefix(request, step.copy_budget)
+            copies = self.kv.pending_host_blocks(request.request_id)
             remaining = request.num_tokens - cached
             num_new = min(remaining, step.budget, self.chunk_size) if step.chunked else remaining
             if num_new > step.budget:  # only without chunking: the whole prompt must fit this step
@@ -275,10 +293,16 @@ class Scheduler:
                 continue
             if self.kv.allocate(request.request_id, cached + num_new + self._room(
                     request, num_new, cached)) is None:
-                break
+                if not any(r.kv_reserved for r in self.waiting):
+                    break
+                blocked = True
+                i += 1
+                continue
             request.num_computed_tokens = cached
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = cached
+            if step.copy_budget is not None:
+                step.copy_budget -= copies
             del self.waiting[i]
             footprint += need
             if num_new < remaining:
@@ -442,12 +466,16 @@ class Scheduler:
         max_tokens = r.params.max_tokens or 1 << 30
         return len(r.output_token_ids) + r.num_pending >= max_tokens or r.num_total_tokens >= self.max_model_len
 
-    def _match_prefix(self, request: Request) -> int:
+    def _match_prefix(self, request: Request, host_limit: int | None = None) -> int:
         """Tokens of a waiting request already in the prefix cache (0 when it is off, the request
-        needs every prompt position computed (prompt logprobs, MEAN or CLS pooling), or it is part way in)."""
+        needs every prompt position computed (prompt logprobs, MEAN or CLS pooling), or it is part way in);
+        of the host tier's blocks at most `host_limit` (--enable_control_h2d_block_num)."""
         if not self.kv.enable_prefix_cache or request.num_computed_tokens or request.needs_every_position:
             return request.num_computed_tokens
-        return self.kv.match_prefix(request.request_id, request.cache_token_ids)
+        cached = self.kv.match_prefix(request.request_id, request.cache_token_ids, host_limit=host_limit)
+        if host_limit is not None and self.kv.host_blocks_past_limit:
+            self.latency.num_copies_capped += 1
+        return cached
 
     def _rematch(self, request: Request) -> None:
         """`--chunked_match_frequency N`: before every Nth further chunk of a chunked prefill, adopt the
@@ -528,10 +556,11 @@ class Scheduler:
     def _push(self, r: Request) -> None:
         """PD PUSH, PREFILL: this step completes `r`'s prompt; right after its forward, the blocks the
         decode instance lacks go into the ones it reserved."""
-        peers, remote_blocks, skip = r.kv_push
+        peers, remote_blocks, skip, expires_at = r.kv_push
         last = self.kv.blocks_for(r.num_prompt_tokens)
         table = self.kv.tables[r.request_id]
-        self._pushes.append(KVPush(r.request_id, peers, tuple(table[skip:last]), tuple(remote_blocks[skip:last])))
+        self._pushes.append(KVPush(r.request_id, peers, tuple(table[skip:last]), tuple(remote_blocks[skip:last]),
+                                   expires_at))
         r.kv_push = None
 
     @staticmethod

@@ -56,16 +56,18 @@ def prefill_body(body: dict[str, Any], chat: bool, reservation: dict[str, Any] |
     """What P computes: the prompt and one token, not streamed, its KV cache kept for a DECODE instance
     (PULL) or written into D's `reservation` (PUSH)."""
     out = {k: v for k, v in body.items() if k != "stream_options"}
-    out.update(stream=False, max_tokens=1, n=1, kv_transfer_params=reservation or {"do_remote_decode": True})
+    params = {k: v for k, v in (reservation or {"do_remote_decode": True}).items() if k != "reservation_replica"}
+    out.update(stream=False, max_tokens=1, n=1, kv_transfer_params=params)
     if chat:
         out["max_completion_tokens"] = 1
     return out
 
 
 def reserve_body(body: dict[str, Any]) -> dict[str, Any]:
-    """What D is asked first: the client's prompt, for a block reservation answered at once."""
+    """What D is asked first: the client's request (D refuses there what it would refuse later: n > 1,
+    logprobs), for a block reservation answered at once."""
     out = {k: v for k, v in body.items() if k != "stream_options"}
-    out.update(stream=False, n=1, kv_transfer_params={"do_remote_prefill": True, "reserve": True})
+    out.update(stream=False, kv_transfer_params={"do_remote_prefill": True, "reserve": True})
     return out
 
 
@@ -121,8 +123,10 @@ class PDFlow:
             if d.kv_mode == "PULL":
                 return await self._run_pull(path, body, headers, model)
             reservation = await self._reserve(d, path, body, headers)
-            if reservation is None:  # unreachable
-                tried_d.add(d.name)
+            if reservation is None or (isinstance(reservation, Response) and reservation.status_code == 503
+                                       and self.router.policy.pick(self.router.pool, ("DECODE",), model,
+                                                                   tried_d | {d.name}) is not None):
+                tried_d.add(d.name)  # unreachable, or no room: another DECODE instance
                 continue
             if isinstance(reservation, Response):
                 return reservation
@@ -130,7 +134,11 @@ class PDFlow:
                 d.kv_mode = reservation.get("kv_cache_transfer_mode", "PULL")
                 return await self._run_pull(path, body, headers, model)
             d.kv_mode = "PUSH"
-            answer = await self._run_push(path, body, headers, model, d, reservation)
+            d.in_flight += 1  # from the reservation to D's answer: P's prefill fills D's blocks meanwhile
+            try:
+                answer = await self._run_push(path, body, headers, model, d, reservation)
+            finally:
+                d.in_flight -= 1
             if not isinstance(answer, _Failed):
                 return answer
             tried_d.add(d.name)
@@ -172,12 +180,18 @@ class PDFlow:
         replica = reservation.get("reservation_replica")
         prefill = await self._prefill(path, body, headers, model, set(), reservation)
         if isinstance(prefill, Response):
-            self.release(_Held(d, {"remote_request_id": reservation.get("reservation_id")}, headers))
+            if not getattr(prefill, "p_may_still_run", False):  # P answered: it writes nothing more
+                # (else D's reservation expires instead: P never writes past its deadline)
+                self.release(_Held(d, {"remote_request_id": reservation.get("reservation_id")}, headers))
             if prefill.status_code == 502 and is_transfer_failure(bytes(prefill.body)):
                 return _Failed(prefill)
             return prefill
         params = {**prefill.params, "reservation_replica": replica}
-        return await self._decode(path, body, headers, model, _Held(prefill.p, params, headers), fixed=d)
+        answer = await self._decode(path, body, headers, model, _Held(prefill.p, params, headers), fixed=d)
+        status = answer.response.status_code if isinstance(answer, _Failed) else answer.status_code
+        if status != 200:  # D refused the request before claiming (a full queue ...): free its blocks now
+            self.release(_Held(d, {"remote_request_id": reservation.get("reservation_id")}, headers))
+        return answer
 
     async def _run_pull(self, path: str, body: dict[str, Any], headers: dict[str, str],
                         model: str | None) -> Response:
@@ -217,10 +231,11 @@ class PDFlow:
                 tried.add(p.name)
                 continue
             except httpx.TimeoutException:
-                return error_response(504, f"PREFILL instance {p.name} did not answer within "
-                                           f"{router.settings.request_timeout}s")
+                return _may_still_run(error_response(504, f"PREFILL instance {p.name} did not answer within "
+                                                          f"{router.settings.request_timeout}s"))
             except httpx.HTTPError as exc:
-                return error_response(502, f"PREFILL instance {p.name} failed: {type(exc).__name__}: {exc}")
+                return _may_still_run(error_response(502, f"PREFILL instance {p.name} failed: "
+                                                          f"{type(exc).__name__}: {exc}"))
             finally:
                 p.in_flight -= 1
             if r.status_code != 200:  # the client's request is at fault (400 ...), or P is: passed on
@@ -319,6 +334,12 @@ class PDFlow:
         except httpx.HTTPError as exc:
             logger.warning("release of %s on %s failed (%s); it frees the blocks after its hold timeout",
                            request_id, p.name, type(exc).__name__)
+
+
+def _may_still_run(response: Response) -> Response:
+    """Mark an error the router made up while P may still be computing (a timeout, a broken connection)."""
+    response.p_may_still_run = True  # type: ignore[attr-defined]
+    return response
 
 
 async def _first_event(stream: AsyncIterator[bytes]) -> bytes:

@@ -61,6 +61,16 @@ def transfer_params(body: Any, num_prompts: int) -> dict[str, Any] | None:
     return params
 
 
+def reserve_checks(body: Any, logprobs: int | None) -> None:
+    """What a DECODE instance would refuse once the prefill is done, refused before any block is
+    reserved (BadRequest-style RequestRejected naming the field)."""
+    if (getattr(body, "n", 1) or 1) != 1 or (getattr(body, "best_of", None) or 1) != 1:
+        raise RequestRejected("n", "a disaggregated request generates one sequence (n = 1, best_of = 1)")
+    if logprobs is not None or getattr(body, "prompt_logprobs", None) is not None:
+        raise RequestRejected("logprobs", "a disaggregated request's first token is sampled by the prefill instance, "
+                              "which sends no logprobs: logprobs are not served with kv_transfer_params")
+
+
 class FirstOutputStream:
     """A stream whose first output was awaited (and checked) before the response started, so a failed
     KV pull is a stream's first event; iterating it gives that output, then the rest."""

@@ -38,6 +38,7 @@ from heterollm.multimodal.processor import pixel_kwargs, split_images
 from heterollm.scheduler.request import RequestRejected
 from heterollm.entrypoints.openai.beam_search import FinishedStream, run_beam_search_request
 from heterollm.entrypoints.openai.disagg import (KVTransferFailed, KVTransferRoutes, check_output, failed_events,
+                                                 reserve_checks,
                                                  first_outputs, transfer_params)
 from heterollm.entrypoints.openai.metrics import ServerMetrics
 from heterollm.entrypoints.openai.pooling import PoolingRoutes
@@ -386,8 +387,10 @@ class OpenAIServer:
         """The replica for a request: the one with the least outstanding work, or, for a request with a
         prompt_cache_key, the one that key always maps to (so it finds the prefixes its key cached),
         or, for a PD PUSH answer, the one holding its reservation."""
-        replica = (kv_transfer_params or {}).get("reservation_replica")
-        if isinstance(replica, int) and 0 <= replica < len(self.replicas):
+        kv = kv_transfer_params or {}
+        replica = kv.get("reservation_replica")
+        if kv.get("do_remote_prefill") and isinstance(replica, int) and 0 <= replica < len(self.replicas) \
+                and self.replicas[replica].alive:
             return self.replicas[replica]
         alive = [r for r in self.replicas if r.alive] or self.replicas[:1]
         if prompt_cache_key is not None:
@@ -413,6 +416,9 @@ class OpenAIServer:
         except BadRequest as exc:
             return self._error(exc.status, str(exc), exc.param)
         except RequestRejected as exc:
+            if exc.status == 502:  # a PD reservation gone: the router runs the flow again
+                self.metrics.record_error(502)
+                return JSONResponse(KVTransferFailed(str(exc)).body(), status_code=502)
             return self._error(exc.status, str(exc), exc.field)
         except StructuredRequestError as exc:
             return self._error(400, str(exc), exc.field)
@@ -468,6 +474,7 @@ class OpenAIServer:
         max_tokens = self._max_tokens(longest, requested, "prompt", "max_tokens")
         kv_params = transfer_params(body, len(prompts))
         if kv_params and kv_params.get("reserve"):
+            reserve_checks(body, body.logprobs)
             return await self.kv_routes.reserve(prompts[0][1])
         if body.use_beam_search:
             return await self._beam_search(request, body, prompts, max_tokens, "text_completion")
@@ -512,6 +519,7 @@ class OpenAIServer:
             if mm_items:
                 raise BadRequest("kv_transfer_params: a prompt with images is not served disaggregated",
                                  "kv_transfer_params")
+            reserve_checks(body, body.top_logprobs if body.logprobs else None)
             return await self.kv_routes.reserve(ids)
         if body.use_beam_search:
             return await self._beam_search(request, body, [(None, ids)], max_tokens, "chat.completion")
