@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from heterollm.config import load_config
+from heterollm.config.checks import check_flag_combinations
 from heterollm.interfaces.kv_connector import KVTransfers
 from heterollm.kv_cache import KVCacheManager
 from heterollm.kv_cache.host_tier import HostMemoryConnector, HostTier, host_slots_for
@@ -434,3 +435,130 @@ def test_a_tier_larger_than_the_hosts_memory_is_refused_naming_the_flag(tiny):
     with pytest.raises(ConfigError, match=r"--swap_space: the host KV tier needs .* of host memory"):
         LLM(str(tiny), dtype="float32", block_size=8, num_gpu_blocks_override=24, max_model_len=128,
             swap_space=1 << 20)
+
+
+# -- --layers_wise_copy_batchs ---------------------------------------------------------------------
+def test_layer_groups_split_consecutive_layers():
+    from heterollm.model_executor.layerwise import layer_groups
+
+    assert layer_groups(30, 4) == [range(0, 8), range(8, 16), range(16, 23), range(23, 30)]
+    assert layer_groups(2, 4) == [range(0, 1), range(1, 2)] and layer_groups(5, 1) == [range(0, 5)]
+    assert layer_groups(3, 0) == [range(0, 3)]
+
+
+def test_the_forward_waits_for_each_layers_group_of_a_slow_copy(tiny, monkeypatch):
+    """The groups after the first are copied by a thread that is made slow here: each layer's
+    attention must wait for its own group, or it reads a block the copy has not filled yet (the tokens
+    would differ). A group copied while the forward runs is counted, so the test knows it overlapped."""
+    import threading
+    import time as _time
+
+    from heterollm.model_executor import layerwise
+
+    base, _, _ = _rounds(tiny, host_blocks_factor=4.0, layers_wise_copy_batchs=1)
+    late = []
+    original = HostMemoryConnector.load_layers
+
+    def slow(self, pairs, layers):
+        if threading.current_thread() is not threading.main_thread():
+            _time.sleep(0.05)
+            late.append(layers)
+        original(self, pairs, layers)
+
+    monkeypatch.setattr(HostMemoryConnector, "load_layers", slow)
+    waits = []
+    monkeypatch.setattr(layerwise.LayerwiseLoad, "wait", lambda self, layer, w=layerwise.LayerwiseLoad.wait:
+                        (waits.append(layer), w(self, layer))[1])
+    got, stats, free = _rounds(tiny, host_blocks_factor=4.0, layers_wise_copy_batchs=2)
+    assert got == base and free and stats["host_tier_loaded"] == 6 * 5
+    assert late and all(g == range(1, 2) for g in late), "the tiny model's 2 layers: group 1 by the thread"
+    assert set(waits) == {0, 1}
+
+
+def test_layers_wise_copy_batchs_needs_a_host_tier():
+    problems = check_flag_combinations(load_config(["--model", "m", "--layers_wise_copy_batchs", "2"]).config)
+    assert problems == ["--layers_wise_copy_batchs=2: paces the host KV tier's copies back; there is no host tier "
+                        "without --host_blocks_factor or --swap_space"]
+    assert check_flag_combinations(load_config(["--model", "m", "--layers_wise_copy_batchs", "2",
+                                                "--swap_space", "1"]).config) == []
+
+
+# -- --enable_control_h2d_block_num ----------------------------------------------------------------
+def test_copy_budget_hides_the_copy_under_the_steps_compute():
+    from heterollm.scheduler.latency import LatencyTargets, StepTimeModel
+
+    targets = LatencyTargets(StepTimeModel(), tpot_ms=50, ttft_ms=None)
+    targets.observe_copy(10, 0.1)
+    assert targets.copy_budget() is None, "off without --enable_control_h2d_block_num"
+    targets.h2d_control = True
+    fresh = LatencyTargets(StepTimeModel(), tpot_ms=50, ttft_ms=None)
+    fresh.h2d_control = True
+    assert fresh.copy_budget() is None, "nothing measured yet: no cap"
+    assert targets.copy_s_per_block == pytest.approx(0.01) and targets.copy_budget() == 5  # 50 ms / 10 ms
+    targets.observe_copy(1, 0.06)  # a moving average: 0.8 * 10 ms + 0.2 * 60 ms
+    assert targets.copy_s_per_block == pytest.approx(0.02) and targets.copy_budget() == 2
+    targets.observe_copy(0, 1.0)
+    assert targets.copy_s_per_block == pytest.approx(0.02)
+    untargeted = LatencyTargets(StepTimeModel(), tpot_ms=None, ttft_ms=None)
+    untargeted.h2d_control = True
+    untargeted.observe_copy(1, 0.001)
+    assert untargeted.copy_budget() is None, "no TPOT target: no cap"
+
+
+def test_a_capped_copy_loads_fewer_host_blocks_and_recomputes_the_rest(tiny, monkeypatch):
+    from heterollm.scheduler.latency import LatencyTargets
+
+    base, _, _ = _rounds(tiny, host_blocks_factor=4.0)
+    monkeypatch.setattr(LatencyTargets, "observe_copy", lambda self, blocks, seconds: setattr(
+        self, "copy_s_per_block", self.tpot_s / 2.5))  # whatever was measured: 2 blocks per step
+    flags = dict(host_blocks_factor=4.0, enable_latency_aware_schedule=True, max_global_tpot_ms=200,
+                 enable_control_h2d_block_num=True)
+    got, stats, free = _rounds(tiny, **flags)
+    assert got == base and free
+    # the first second-round prompt loads its 5 blocks (nothing measured before it), the other five 2 each
+    assert stats["host_tier_loaded"] == 5 + 5 * 2
+    assert stats["prefix_host_hits"] == 8 * (5 + 5 * 2)
+
+
+def test_control_h2d_block_num_needs_a_host_tier_and_the_latency_model():
+    def problems(*argv):
+        return check_flag_combinations(load_config(["--model", "m", "--enable_control_h2d_block_num", *argv]).config)
+
+    assert problems() == [
+        "--enable_control_h2d_block_num=true: caps the host KV tier's copies back per step; there is no host tier "
+        "without --host_blocks_factor or --swap_space",
+        "--enable_control_h2d_block_num=true: the cap comes from the step-time model of "
+        "--enable_latency_aware_schedule (as in xLLM): turn it on too"]
+    assert problems("--swap_space", "1", "--enable_latency_aware_schedule", "--max_global_tpot_ms", "100") == []
+
+
+def test_the_copy_budget_is_per_step_over_the_requests_it_admits(tiny, monkeypatch):
+    """Requests admitted in one step share its budget of 2 host-tier blocks: no step copies more."""
+    from heterollm import LLM, SamplingParams
+    from heterollm.scheduler.latency import LatencyTargets
+
+    copied = []
+
+    def observe(self, blocks, seconds):
+        copied.append(blocks)
+        self.copy_s_per_block = self.tpot_s / 2.5
+
+    monkeypatch.setattr(LatencyTargets, "observe_copy", observe)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(100, 20000) for _ in range(45)] for _ in range(6)]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    outs = {}
+    for name, flags in {"plain": {}, "capped": dict(enable_latency_aware_schedule=True, max_global_tpot_ms=200,
+                                                      enable_control_h2d_block_num=True)}.items():
+        llm = LLM(str(tiny), dtype="float32", block_size=8, num_gpu_blocks_override=24, max_model_len=128,
+                  host_blocks_factor=4.0, **ADMIT_ALL, **flags)
+        try:
+            for p in prompts:  # each spills the one before it to the host tier
+                llm.generate([p], params)
+            first = llm.generate([prompts[0]], params)  # measures the copy (not capped yet)
+            rest = llm.generate(prompts[1:], params)  # steps of three requests
+            outs[name] = [o.outputs[0].token_ids for o in first + rest]
+        finally:
+            llm.shutdown()
+    assert outs["capped"] == outs["plain"]
+    assert copied[0] > 2 and copied[1:] and max(copied[1:]) == 2, copied  # the first step: not capped yet

@@ -45,6 +45,19 @@ def check_flag_combinations(config: HeterollmConfig) -> list[str]:
     from heterollm.kv_cache.pd import pd_problems
 
     problems += pd_problems(config)
+    tier = config.kv_cache_store.host_blocks_factor > 0 or config.fastdeploy.swap_space
+    if config.kv_cache_store.enable_control_h2d_block_num:
+        if not tier:
+            problems.append("--enable_control_h2d_block_num=true: caps the host KV tier's copies back per step; "
+                            "there is no host tier without --host_blocks_factor or --swap_space")
+        if not config.profile.enable_latency_aware_schedule:
+            problems.append("--enable_control_h2d_block_num=true: the cap comes from the step-time model of "
+                            "--enable_latency_aware_schedule (as in xLLM): turn it on too")
+    batches = config.kv_cache_store.layers_wise_copy_batchs
+    if batches != type(config.kv_cache_store)().layers_wise_copy_batchs and not (
+            config.kv_cache_store.host_blocks_factor > 0 or config.fastdeploy.swap_space):
+        problems.append(f"--layers_wise_copy_batchs={batches}: paces the host KV tier's copies back; there is no "
+                        "host tier without --host_blocks_factor or --swap_space")
     if config.kv_cache.kv_events_config:
         events = parse_kv_events_config(config.kv_cache.kv_events_config)
         problems += kv_events_port_problems(events, engine_replicas(config))

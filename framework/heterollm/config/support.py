@@ -61,8 +61,6 @@ _planned("cp_size kv_split_size "
 _planned("graph_optimization_config "
          "enable_shm use_contiguous_input_buffer input_shm_size output_shm_size",
          "the accelerator backends issue")
-_planned("layers_wise_copy_batchs enable_control_h2d_block_num", "pacing the host tier's copies back layer by layer "
-         "beside the forward; the host tier (--host_blocks_factor, --swap_space) copies every layer before the step")
 _planned("indexer_cache_dtype max_linear_state_cache_slots phy_page_granularity_size enable_dsa_multi_stream",
          "models with indexer / linear-attention caches")
 

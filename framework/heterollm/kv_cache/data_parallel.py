@@ -118,7 +118,14 @@ class DataParallelKVCacheManager(PoolGauges):
         return rank is None or self.rank_of.get(b) == rank
 
     # -- prefix cache ----------------------------------------------------------------------
-    def match_prefix(self, request_id: str, tokens: Sequence[int], start_block: int = 0) -> int:
+    host_blocks_past_limit = False
+    """No host tier under attention DP (refused at launch): no host-tier limit ever cuts a match."""
+
+    def pending_host_blocks(self, request_id: str) -> int:
+        return 0
+
+    def match_prefix(self, request_id: str, tokens: Sequence[int], start_block: int = 0,
+                     host_limit: int | None = None) -> int:
         held = self._held(request_id)
         if held is not None:
             return self.ranks[held].match_prefix(request_id, tokens, start_block)

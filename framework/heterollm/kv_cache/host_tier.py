@@ -181,6 +181,8 @@ class HostMemoryConnector(KVConnector):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.slots)
 
+    layerwise = True
+
     def _move(self, src: list[torch.Tensor], dst: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
         dim = self.block_dim
         src_ids = torch.tensor([a for a, _ in pairs], dtype=torch.long)
@@ -194,6 +196,9 @@ class HostMemoryConnector(KVConnector):
 
     def load(self, pairs: list[tuple[int, int]]) -> None:
         self._move(self.slots, self.caches, pairs)
+
+    def load_layers(self, pairs: list[tuple[int, int]], layers: range) -> None:
+        self._move([self.slots[i] for i in layers], [self.caches[i] for i in layers], pairs)
 
     def close(self) -> None:
         self.slots = []

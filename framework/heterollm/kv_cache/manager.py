@@ -194,6 +194,8 @@ class KVCacheManager(PoolGauges):
         self.host_hits = 0
         """Of the prefix-cache hits, tokens found in the host tier (loaded back)."""
         self.tables: dict[str, list[int]] = {}
+        self.host_blocks_past_limit = False
+        """The last `match_prefix` left host-tier blocks behind for its `host_limit`."""
         self.enable_prefix_cache = enable_prefix_cache
         self.hash_seed = hash_seed
         self._hashes: dict[str, list[int]] = {}
@@ -231,10 +233,13 @@ class KVCacheManager(PoolGauges):
             hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs], self.hash_seed))
         return hashes
 
-    def match_prefix(self, request_id: str, tokens: Sequence[int], start_block: int = 0) -> int:
+    def match_prefix(self, request_id: str, tokens: Sequence[int], start_block: int = 0,
+                     host_limit: int | None = None) -> int:
         """Find the cached blocks that continue the request's table from `start_block` (0 for a new
         request) and hold them for its next `allocate`; returns how many tokens they cover. At least
-        the last token is left to compute."""
+        the last token is left to compute. Of the host tier's blocks at most `host_limit` are taken
+        (the rest of the prompt is computed); `host_blocks_past_limit` says whether that cut any."""
+        self.host_blocks_past_limit = False
         if not self.enable_prefix_cache:
             return 0
         limit = (len(tokens) - 1) // self.block_size
@@ -252,11 +257,17 @@ class KVCacheManager(PoolGauges):
                 if self.host.lookup(h) is None:
                     break
                 found.append(h)
+        if host_limit is not None and len(found) > host_limit:
+            found = found[:max(host_limit, 0)]
+            self.host_blocks_past_limit = True
         if found:
             self._host_hits[request_id] = (start_block + len(hits), found, tokens)
         else:
             self._host_hits.pop(request_id, None)
-        fetched = self._match_store(request_id, hashes, start_block + len(hits) + len(found), limit, tokens)
+        # a chain cut short in the host tier does not go on in the store
+        fetched = self._match_store(request_id, hashes, start_block + len(hits) + len(found),
+                                    start_block + len(hits) + len(found) if self.host_blocks_past_limit else limit,
+                                    tokens)
         total = (len(hits) + len(found) + fetched) * self.block_size
         if start_block == 0:
             self._lookups[request_id] = (len(tokens), total, len(found) * self.block_size, fetched * self.block_size)
@@ -442,6 +453,11 @@ class KVCacheManager(PoolGauges):
                 self.pool.uncache(block)
             self._committed[request_id] = full
             del self._hashes.get(request_id, [])[full:]
+
+    def pending_host_blocks(self, request_id: str) -> int:
+        """Host-tier blocks the request's last `match_prefix` found (copied back at its `allocate`)."""
+        held = self._host_hits.get(request_id)
+        return len(held[1]) if held else 0
 
     def rename(self, old: str, new: str) -> None:
         """Give request `old`'s blocks and their bookkeeping to `new` (which has none)."""

@@ -22,6 +22,7 @@ from heterollm.model_executor.linear_method import (model_bytes, prepare_linears
                                                      select_linear_method, unpack_for_reload)
 from heterollm.model_executor.checkpoint_slice import ReadStats
 from heterollm.model_executor.layers import CacheLayout, cache_layout
+from heterollm.model_executor.layerwise import LayerwiseLoad, WaitingCaches
 from heterollm.model_executor.mm_encoder import MultiModalRunner
 from heterollm.model_executor.loader import ModelSource, iter_weights
 from heterollm.model_executor.moe import FusedMoE, prepare_experts
@@ -202,6 +203,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.kv_connectors: dict[str, KVConnector] = {}
+        self.layer_batches = self.config.kv_cache_store.layers_wise_copy_batchs
+        """--layers_wise_copy_batchs: a layer-wise connector's loads go in this many groups of layers."""
+        self._loads: list[LayerwiseLoad] = []
+        """The step's loads still copying (model_executor/layerwise.py)."""
         """The KV connectors this launch selected, by name: "host" (--host_blocks_factor / --swap_space),
         "mooncake_store" (--enable_kvcache_store)."""
         self.generators: dict[str, torch.Generator] = {}
@@ -366,7 +371,14 @@ class ModelRunner:
         by every rank alike (the ranks agree through one all-reduce over the step's pulls)."""
         failed: dict[str, str] = {}
         for name, transfers in so.kv_transfers.items():
-            failed.update(self.kv_connectors[name].apply(transfers))
+            conn = self.kv_connectors[name]
+            if (transfers.load and conn.layerwise and self.layer_batches > 1 and len(self.kv_caches) > 1
+                    and not transfers.pulls and not transfers.data):
+                if transfers.save:  # saves first: a block saved now may be a load's destination
+                    conn.save(transfers.save)
+                self._loads.append(LayerwiseLoad(conn, transfers.load, len(self.kv_caches), self.layer_batches))
+                continue
+            failed.update(conn.apply(transfers))
         pulls = [p.request_id for t in so.kv_transfers.values() for p in t.pulls]
         return self._agree(pulls, failed, "pull its share of the KV blocks") or None
 
@@ -483,6 +495,14 @@ class ModelRunner:
         t_kv = time.perf_counter()
         kv_failed = self._apply_kv_transfers(so) if so.kv_transfers is not None else None
         kv_s = {"kv_transfer": time.perf_counter() - t_kv} if so.kv_transfers is not None else {}
+        try:
+            return self._execute(so, kv_failed, kv_s)
+        finally:
+            loads, self._loads = self._loads, []
+            for load in loads:  # a step that ended early (nothing of this rank's to run) still lands them
+                load.join()
+
+    def _execute(self, so: SchedulerOutput, kv_failed: dict[str, str] | None, kv_s: dict[str, float]) -> RunnerOutput:
         reqs = so.requests
         if not reqs:
             return RunnerOutput([], [], [], [], kv_failed=kv_failed, timings=kv_s)
@@ -496,12 +516,18 @@ class ModelRunner:
         inputs = self._prepare(reqs)
         if self.mm is not None:
             inputs = self.mm.prepare(reqs, inputs)
+        if self._loads:  # layer l's attention waits for its group of the loads
+            inputs.ctx.kv_caches = WaitingCaches(self.kv_caches, self._loads)
         t1 = time.perf_counter()
         if inputs.inputs_embeds is not None or inputs.positions.dim() == 2:  # image tokens: never a graph
             hidden = self._forward(inputs)
         else:
             hidden = self.graph_runner.run(self._forward, inputs)
         t2 = time.perf_counter()
+        if self._loads:
+            for load in self._loads:
+                load.join()
+            kv_s["kv_load"] = sum(load.seconds for load in self._loads)
         ends = torch.tensor([len(r.new_token_ids) for r in reqs]).cumsum(0).tolist()
         sampled = self._sample(reqs, hidden, ends, so.grammar_bitmask)
         pooled = self.pooler(reqs, hidden, ends) if any(r.pooling is not None for r in reqs) else None

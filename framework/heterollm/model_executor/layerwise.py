@@ -1,0 +1,97 @@
+"""`--layers_wise_copy_batchs N`: a step's host-tier loads (blocks copied back into the cache before
+the forward reads them) split into N groups of consecutive layers. The first group is copied before
+the forward starts; a thread copies the others while it runs, and a layer's attention waits for its
+group only when it gets there (`WaitingCaches`, the step's `ForwardContext.kv_caches`). On a device
+backend the thread's copies overlap the first layers' compute; 0 or 1 copies every layer first.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from heterollm.interfaces.kv_connector import KVConnector
+
+
+def layer_groups(num_layers: int, batches: int) -> list[range]:
+    """`num_layers` split into min(batches, num_layers) runs of consecutive layers, the first ones one
+    longer when it does not divide."""
+    n = max(1, min(batches, num_layers))
+    size, extra = divmod(num_layers, n)
+    out, start = [], 0
+    for g in range(n):
+        end = start + size + (g < extra)
+        out.append(range(start, end))
+        start = end
+    return out
+
+
+class LayerwiseLoad:
+    """One connector's loads of one step, group by group (`KVConnector.load_layers`)."""
+
+    def __init__(self, connector: KVConnector, pairs: list[tuple[int, int]], num_layers: int, batches: int) -> None:
+        self.groups = layer_groups(num_layers, batches)
+        self.group_of = [g for g, layers in enumerate(self.groups) for _ in layers]
+        self.ready = [threading.Event() for _ in self.groups]
+        self.error: BaseException | None = None
+        self._connector, self._pairs = connector, pairs
+        t0 = time.perf_counter()
+        connector.load_layers(pairs, self.groups[0])
+        self.seconds = time.perf_counter() - t0
+        """Seconds spent copying, over every group (the thread's included once joined)."""
+        self.ready[0].set()
+        self._thread = threading.Thread(target=self._copy_rest, name="heterollm-layerwise-load", daemon=True)
+        self._thread.start()
+
+    def _copy_rest(self) -> None:
+        import torch
+
+        try:
+            with torch.inference_mode():  # thread-local: the caches are inference tensors
+                for g in range(1, len(self.groups)):
+                    t0 = time.perf_counter()
+                    self._connector.load_layers(self._pairs, self.groups[g])
+                    self.seconds += time.perf_counter() - t0
+                    self.ready[g].set()
+        except BaseException as exc:  # raised to the forward by wait / join
+            self.error = exc
+            for event in self.ready:
+                event.set()
+
+    def wait(self, layer: int) -> None:
+        self.ready[self.group_of[layer]].wait()
+        if self.error is not None:
+            raise RuntimeError(f"copying the host KV tier's blocks back failed: {self.error}") from self.error
+
+    def join(self) -> None:
+        self._thread.join()
+        if self.error is not None:
+            raise RuntimeError(f"copying the host KV tier's blocks back failed: {self.error}") from self.error
+
+
+class WaitingCaches(list):
+    """The per-layer caches, as the forward reads them: indexing layer l waits for l's group of every
+    load; iterating (a graph runner walking all layers) waits for every group."""
+
+    def __init__(self, caches: list[torch.Tensor], loads: list[LayerwiseLoad]) -> None:
+        super().__init__(caches)
+        self.loads = loads
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, int):
+            layer = index % len(self)
+            for load in self.loads:
+                load.wait(layer)
+        else:
+            for load in self.loads:
+                load.join()
+        return super().__getitem__(index)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for load in self.loads:
+            load.join()
+        return super().__iter__()
