@@ -21,12 +21,26 @@ def pytest_configure(config):
     the host taken by engines that only exist to be inspected. Tests of the host registry itself opt
     back in with the `host_registry` fixture."""
     import tempfile
-    os.environ.setdefault("HETEROLLM_CACHE_DIR", tempfile.mkdtemp(prefix="heterollm-test-cache-"))
+    if "HETEROLLM_CACHE_DIR" not in os.environ:
+        _TEMP_DIRS.append(tempfile.mkdtemp(prefix="heterollm-test-cache-"))
+        os.environ["HETEROLLM_CACHE_DIR"] = _TEMP_DIRS[-1]
     from heterollm.engine import reservations
 
-    private = Path(tempfile.mkdtemp(prefix="heterollm-test-registry-")) / "in-process.json"
+    _TEMP_DIRS.append(tempfile.mkdtemp(prefix="heterollm-test-registry-"))
+    private = Path(_TEMP_DIRS[-1]) / "in-process.json"
     reservations.shared_registry_path = reservations.registry_path
     reservations.registry_path = lambda: private
+
+
+_TEMP_DIRS: list[str] = []
+"""The folders pytest_configure made for this run (removed when it ends: a run leaves none behind)."""
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    for folder in _TEMP_DIRS:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture

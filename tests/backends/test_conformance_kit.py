@@ -75,6 +75,7 @@ def test_the_kit_catches_a_device_mixing_sampler(tmp_path):
     assert "DeviceMixingError" in out
 
 
+@pytest.mark.slow  # 11 s; the kit catching a broken kernel stays in the default run
 def test_the_kit_catches_a_graph_runner_that_never_replays(tmp_path):
     """A runner that says it can replay but runs every step eagerly (on a GPU: zero captures)
     fails the graph check."""

@@ -29,10 +29,10 @@ SLOW = pytest.mark.slow  # ~6 s each (two ranks spawned): the default run keeps 
     # fused checkpoint projections split before sharding; GLM's per-head q/k reorder
     ("phi3", {}), pytest.param("glm4", {}, marks=SLOW),
     pytest.param("gemma2", {"sliding_window": 8, "head_dim": 16, "attn_logit_softcapping": 2.0}, marks=SLOW),
-    ("gemma3", {"sliding_window": 8, "sliding_window_pattern": 2, "head_dim": 16}),
+    pytest.param("gemma3", {"sliding_window": 8, "sliding_window_pattern": 2, "head_dim": 16}, marks=SLOW),
     # each expert's and the shared expert's intermediate dimension split, one all-reduce per block; a
     # dense layer too. One MoE family: the three share the sharded experts (test_moe.py loads each's shards)
-    ("qwen2_moe", {"mlp_only_layers": [1]}),
+    pytest.param("qwen2_moe", {"mlp_only_layers": [1]}, marks=SLOW),
     # MLA: heads split (q_b_proj, kv_b_proj rows, o_proj columns), the latent and its cache replicated;
     # a dense first layer, then grouped sigmoid routing over the split experts and the shared expert
     ("deepseek_v3", {}),
@@ -123,6 +123,7 @@ def test_structured_output_across_ranks(tmp_path):
     assert all(re.fullmatch("[a-d]{3}-[0-9]{2}", t) for t in texts[0])
 
 
+@pytest.mark.slow  # 7 s; the reload itself is tested on one rank in the default run
 def test_weights_reload_on_every_rank(tmp_path):
     """--dynamic_load_weight with tp_size=2: each rank loads its shard of the new weights, and the
     greedy tokens become transformers' on them."""

@@ -499,6 +499,10 @@ def test_copy_budget_hides_the_copy_under_the_steps_compute():
     assert targets.copy_s_per_block == pytest.approx(0.02) and targets.copy_budget() == 2
     targets.observe_copy(0, 1.0)
     assert targets.copy_s_per_block == pytest.approx(0.02)
+    slow = LatencyTargets(StepTimeModel(), tpot_ms=50, ttft_ms=None)
+    slow.h2d_control = True
+    slow.observe_copy(1, 0.2)
+    assert slow.copy_budget() == 1, "one block at least: the copy speed keeps being measured"
     untargeted = LatencyTargets(StepTimeModel(), tpot_ms=None, ttft_ms=None)
     untargeted.h2d_control = True
     untargeted.observe_copy(1, 0.001)

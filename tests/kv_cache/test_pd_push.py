@@ -288,6 +288,13 @@ def test_a_pull_decode_instance_answers_a_reservation_with_its_mode(tiny):
         d.shutdown()
 
 
+def test_consecutive_blocks_move_as_one_slice():
+    from heterollm.kv_cache.pd import block_runs
+
+    assert block_runs((4, 5, 6, 9, 10), (0, 1, 2, 3, 7)) == [(4, 0, 3), (9, 3, 1), (10, 7, 1)]
+    assert block_runs((3, 2), (0, 1)) == [(3, 0, 1), (2, 1, 1)] and block_runs((), ()) == []
+
+
 def test_dst_rotate_starts_each_rank_at_another_peer():
     from heterollm.kv_cache.pd import peer_order
 

@@ -242,6 +242,7 @@ def long_llama(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("core-long-llama"), "llama", max_position_embeddings=8192)
 
 
+@pytest.mark.slow  # a serve process killed mid-stream (13 s)
 def test_the_core_exits_when_serve_is_killed_mid_stream(long_llama):
     """kill -9 of `serve` while the core is busy with a long stream: the core does not run it to the end
     (its outputs would fill a socket nobody reads) but exits at its next step."""

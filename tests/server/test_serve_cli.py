@@ -119,6 +119,7 @@ def _serve(model, *flags):
     return proc, f"http://127.0.0.1:{port}"
 
 
+@pytest.mark.slow  # a serve process with two cores (11 s); test_data_parallel.py checks two replicas in process
 def test_dp_size_2_serves_from_two_replicas(long_model):
     from concurrent.futures import ThreadPoolExecutor
 

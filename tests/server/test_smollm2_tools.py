@@ -35,9 +35,9 @@ def client():
         yield OpenAI(base_url=f"{running.url}/v1", api_key="EMPTY", max_retries=0)
 
 
-@pytest.mark.parametrize("tool_choice", [  # 6-18 s each on the real model: one in the default run
-    pytest.param("required", marks=pytest.mark.slow), {"type": "function", "function": {"name": "get_weather"}},
-    pytest.param({"type": "function", "function": {"name": "add_book"}}, marks=pytest.mark.slow)])
+@pytest.mark.slow  # 6-18 s each on the real model (and 10 s to start it); tiny models' tool calls: test_tools_api.py
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}},
+                                         {"type": "function", "function": {"name": "add_book"}}])
 def test_every_answer_is_a_valid_call(client, tool_choice):
     for question in QUESTIONS:
         args = {"model": "tiny-llama", "messages": [{"role": "user", "content": question}], "tools": TOOLS,

@@ -54,8 +54,7 @@ def check_flag_combinations(config: HeterollmConfig) -> list[str]:
             problems.append("--enable_control_h2d_block_num=true: the cap comes from the step-time model of "
                             "--enable_latency_aware_schedule (as in xLLM): turn it on too")
     batches = config.kv_cache_store.layers_wise_copy_batchs
-    if batches != type(config.kv_cache_store)().layers_wise_copy_batchs and not (
-            config.kv_cache_store.host_blocks_factor > 0 or config.fastdeploy.swap_space):
+    if batches != type(config.kv_cache_store)().layers_wise_copy_batchs and not tier:
         problems.append(f"--layers_wise_copy_batchs={batches}: paces the host KV tier's copies back; there is no "
                         "host tier without --host_blocks_factor or --swap_space")
     if config.kv_cache.kv_events_config:

@@ -234,11 +234,12 @@ class KVCacheManager(PoolGauges):
         return hashes
 
     def match_prefix(self, request_id: str, tokens: Sequence[int], start_block: int = 0,
-                     host_limit: int | None = None) -> int:
+                     host_limit: int | None = None, device_only: bool = False) -> int:
         """Find the cached blocks that continue the request's table from `start_block` (0 for a new
         request) and hold them for its next `allocate`; returns how many tokens they cover. At least
         the last token is left to compute. Of the host tier's blocks at most `host_limit` are taken
-        (the rest of the prompt is computed); `host_blocks_past_limit` says whether that cut any."""
+        (the rest of the prompt is computed); `host_blocks_past_limit` says whether that cut any.
+        `device_only`: neither the host tier nor the store is looked at."""
         self.host_blocks_past_limit = False
         if not self.enable_prefix_cache:
             return 0
@@ -257,7 +258,10 @@ class KVCacheManager(PoolGauges):
                 if self.host.lookup(h) is None:
                     break
                 found.append(h)
-        if host_limit is not None and len(found) > host_limit:
+        if device_only:
+            found = []
+            self.host_blocks_past_limit = True  # the chain stops here: no store lookup either
+        elif host_limit is not None and len(found) > host_limit:
             found = found[:max(host_limit, 0)]
             self.host_blocks_past_limit = True
         if found:

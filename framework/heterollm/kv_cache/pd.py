@@ -189,6 +189,7 @@ class MooncakeTransferConnector(KVConnector):
                     f"{len(peers[0].ptrs)} layers) does not match this one's ({self.tp} rank(s) of {tuple(mine.shape)} "
                     f"{mine.dtype}, {len(self.caches)} layers): same model, dtype and block size needed")
         chunk = bs * dim * elt
+        spans = block_runs(move.remote_blocks, move.local_blocks)
         by_peer: dict[int, tuple[list[int], list[int], list[int]]] = {}
         for layer, cache in enumerate(self.caches):
             base = cache.data_ptr()
@@ -199,10 +200,10 @@ class MooncakeTransferConnector(KVConnector):
                     peer = peers[peer_rank]
                     peer_blocks = peer.shape[2]
                     local, remote, lens = by_peer.setdefault(peer_rank, ([], [], []))
-                    for rb, lb in zip(move.remote_blocks, move.local_blocks):
+                    for rb, lb, n in spans:  # a run of consecutive blocks on both sides is one slice
                         remote.append(peer.ptrs[layer] + ((kv * peer_heads + h) * peer_blocks + rb) * chunk)
                         local.append(base + ((kv * heads + j) * blocks + lb) * chunk)
-                        lens.append(chunk)
+                        lens.append(n * chunk)
         for peer_rank in peer_order(sorted(by_peer), self.rank, push and self.rotate):
             local, remote, lens = by_peer[peer_rank]
             addr = peers[peer_rank].addr
@@ -227,6 +228,18 @@ class MooncakeTransferConnector(KVConnector):
                 except Exception:
                     pass
         self.caches = []
+
+
+def block_runs(remote: tuple[int, ...], local: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """(remote block, local block, count) runs of block pairs consecutive on both sides, in order:
+    each run is one contiguous slice per (layer, K/V, head) of either cache."""
+    runs: list[list[int]] = []
+    for rb, lb in zip(remote, local):
+        if runs and rb == runs[-1][0] + runs[-1][2] and lb == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([rb, lb, 1])
+    return [(rb, lb, n) for rb, lb, n in runs]
 
 
 def peer_order(peer_ranks: list[int], rank: int, rotate: bool) -> list[int]:

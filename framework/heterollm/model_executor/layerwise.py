@@ -34,6 +34,7 @@ class LayerwiseLoad:
     """One connector's loads of one step, group by group (`KVConnector.load_layers`)."""
 
     def __init__(self, connector: KVConnector, pairs: list[tuple[int, int]], num_layers: int, batches: int) -> None:
+        """batches <= 1 (or one layer): every layer now, no thread."""
         self.groups = layer_groups(num_layers, batches)
         self.group_of = [g for g, layers in enumerate(self.groups) for _ in layers]
         self.ready = [threading.Event() for _ in self.groups]
@@ -43,7 +44,13 @@ class LayerwiseLoad:
         connector.load_layers(pairs, self.groups[0])
         self.seconds = time.perf_counter() - t0
         """Seconds spent copying, over every group (the thread's included once joined)."""
+        self.estimate = self.seconds * num_layers / max(len(self.groups[0]), 1)
+        """What copying every layer takes, from the first group's copy alone (the thread's own timings
+        include waiting for the cores the forward holds)."""
         self.ready[0].set()
+        if len(self.groups) == 1:
+            self._thread = None
+            return
         self._thread = threading.Thread(target=self._copy_rest, name="heterollm-layerwise-load", daemon=True)
         self._thread.start()
 
@@ -68,7 +75,8 @@ class LayerwiseLoad:
             raise RuntimeError(f"copying the host KV tier's blocks back failed: {self.error}") from self.error
 
     def join(self) -> None:
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         if self.error is not None:
             raise RuntimeError(f"copying the host KV tier's blocks back failed: {self.error}") from self.error
 

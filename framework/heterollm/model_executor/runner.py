@@ -372,8 +372,7 @@ class ModelRunner:
         failed: dict[str, str] = {}
         for name, transfers in so.kv_transfers.items():
             conn = self.kv_connectors[name]
-            if (transfers.load and conn.layerwise and self.layer_batches > 1 and len(self.kv_caches) > 1
-                    and not transfers.pulls and not transfers.data):
+            if transfers.load and conn.layerwise and not transfers.pulls and not transfers.data:
                 if transfers.save:  # saves first: a block saved now may be a load's destination
                     conn.save(transfers.save)
                 self._loads.append(LayerwiseLoad(conn, transfers.load, len(self.kv_caches), self.layer_batches))
@@ -492,10 +491,10 @@ class ModelRunner:
         self.pooler.forget(so.finished_request_ids)
         if self.mm is not None:
             self.mm.forget(so.finished_request_ids)
-        t_kv = time.perf_counter()
-        kv_failed = self._apply_kv_transfers(so) if so.kv_transfers is not None else None
-        kv_s = {"kv_transfer": time.perf_counter() - t_kv} if so.kv_transfers is not None else {}
         try:
+            t_kv = time.perf_counter()
+            kv_failed = self._apply_kv_transfers(so) if so.kv_transfers is not None else None
+            kv_s = {"kv_transfer": time.perf_counter() - t_kv} if so.kv_transfers is not None else {}
             return self._execute(so, kv_failed, kv_s)
         finally:
             loads, self._loads = self._loads, []
@@ -516,8 +515,12 @@ class ModelRunner:
         inputs = self._prepare(reqs)
         if self.mm is not None:
             inputs = self.mm.prepare(reqs, inputs)
-        if self._loads:  # layer l's attention waits for its group of the loads
-            inputs.ctx.kv_caches = WaitingCaches(self.kv_caches, self._loads)
+        if self._loads:
+            if inputs.ctx.metadata.decode_only:  # a step a graph may replay: it reads no list, so all first
+                for load in self._loads:
+                    load.join()
+            else:  # eager: layer l's attention waits for its group of the loads
+                inputs.ctx.kv_caches = WaitingCaches(self.kv_caches, self._loads)
         t1 = time.perf_counter()
         if inputs.inputs_embeds is not None or inputs.positions.dim() == 2:  # image tokens: never a graph
             hidden = self._forward(inputs)
@@ -527,7 +530,7 @@ class ModelRunner:
         if self._loads:
             for load in self._loads:
                 load.join()
-            kv_s["kv_load"] = sum(load.seconds for load in self._loads)
+            kv_s["kv_load"] = sum(load.estimate for load in self._loads)
         ends = torch.tensor([len(r.new_token_ids) for r in reqs]).cumsum(0).tolist()
         sampled = self._sample(reqs, hidden, ends, so.grammar_bitmask)
         pooled = self.pooler(reqs, hidden, ends) if any(r.pooling is not None for r in reqs) else None

@@ -126,8 +126,6 @@ class LatencyTargets:
         """--enable_control_h2d_block_num: cap a step's host-tier copies back (`copy_budget`)."""
         self.copy_s_per_block: float | None = None
         """Seconds one block's copy back from the host tier takes (a moving average of measured steps)."""
-        self.num_copies_capped = 0
-        """Requests that took fewer host-tier blocks than they found, the rest recomputed."""
 
     def observe_copy(self, blocks: int, seconds: float) -> None:
         if blocks > 0 and seconds > 0:
@@ -136,11 +134,12 @@ class LatencyTargets:
 
     def copy_budget(self) -> int | None:
         """--enable_control_h2d_block_num: the host-tier blocks a step may copy back, so the copy takes
-        no longer than the TPOT target the step keeps (xLLM's latency budget): the blocks past it are
-        recomputed instead, in the step's prefill. None: no cap (off, no target, or nothing measured yet)."""
+        no longer than the TPOT target the step keeps (xLLM's latency budget), and one at least: the
+        blocks past it are recomputed instead, in the step's prefill. None: no cap (off, no target, or
+        nothing measured yet)."""
         if not self.h2d_control or self.copy_s_per_block is None or self.tpot_s is None:
             return None
-        return int(self.tpot_s / self.copy_s_per_block)
+        return max(1, int(self.tpot_s / self.copy_s_per_block))  # one at least: the speed is measured again
 
     def ttft_at_risk(self, waited_s: float, remaining: int, ctx: int, own_ttft_ms: int | None) -> bool:
         target = own_ttft_ms / 1000 if own_ttft_ms is not None else self.ttft_s

@@ -176,7 +176,7 @@ class Scheduler:
         n = len(tokens)
         cached = 0
         if self.kv.enable_prefix_cache:
-            cached = self.kv.match_prefix(reservation_id, tokens, host_limit=0)
+            cached = self.kv.match_prefix(reservation_id, tokens, device_only=True)
         cached = min(cached, (n - 1) // self.kv.block_size * self.kv.block_size)
         if self.kv.allocate(reservation_id, n + 1) is None:
             self.kv.drop(reservation_id)
@@ -374,7 +374,7 @@ class Scheduler:
                     and request.is_decoding != self._decoding(step.scheduled)):
                 continue
             if not request.is_decoding:
-                self._rematch(request)
+                self._rematch(request, step)
             remaining = request.num_uncomputed
             num_new = min(remaining, step.budget, self.chunk_size if not request.is_decoding else remaining)
             if not step.chunked and num_new < remaining:
@@ -473,11 +473,9 @@ class Scheduler:
         if not self.kv.enable_prefix_cache or request.num_computed_tokens or request.needs_every_position:
             return request.num_computed_tokens
         cached = self.kv.match_prefix(request.request_id, request.cache_token_ids, host_limit=host_limit)
-        if host_limit is not None and self.kv.host_blocks_past_limit:
-            self.latency.num_copies_capped += 1
         return cached
 
-    def _rematch(self, request: Request) -> None:
+    def _rematch(self, request: Request, step: _Step) -> None:
         """`--chunked_match_frequency N`: before every Nth further chunk of a chunked prefill, adopt the
         blocks that other requests have put in the cache since this one was admitted (e.g. the same
         long prompt running ahead of it with a bigger share of the token budget)."""
@@ -486,8 +484,12 @@ class Scheduler:
         if (not kv.enable_prefix_cache or request.needs_every_position or done % kv.block_size
                 or request.num_prefill_chunks % self.config.chunked_match_frequency):
             return
-        extra = kv.match_prefix(request.request_id, request.cache_token_ids, start_block=done // kv.block_size)
+        extra = kv.match_prefix(request.request_id, request.cache_token_ids, start_block=done // kv.block_size,
+                                host_limit=step.copy_budget)
+        copies = kv.pending_host_blocks(request.request_id)
         if extra and kv.allocate(request.request_id, done + extra) is not None:
+            if step.copy_budget is not None:
+                step.copy_budget -= copies
             request.num_computed_tokens += extra
             request.num_cached_tokens = (request.num_cached_tokens or 0) + extra
             kv.hits += extra
