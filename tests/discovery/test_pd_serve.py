@@ -185,19 +185,22 @@ def test_routed_answers_are_a_single_instances_and_blocks_come_back(cluster):
         wait_for(lambda: free_blocks(url) == blocks, 10, f"{url} did not free its blocks ({start})", step=0.2)
 
 
-def _prefill_then_die(target: str, proc: subprocess.Popen) -> FastAPI:
-    """A PREFILL instance's front that kills it once it has answered, before anyone pulls."""
+def _kill_after(target: str, proc: subprocess.Popen, when=lambda body: True) -> FastAPI:
+    """An instance's front: passes each completion request on to `target`, and kills the instance once
+    it has answered one that `when` (of the request's JSON body) picks."""
     app = FastAPI()
 
-    async def prefill(request: Request) -> Response:
+    async def forward(request: Request) -> Response:
+        body = await request.body()
         async with httpx.AsyncClient(timeout=60) as client:
-            r = await client.post(target + request.url.path, content=await request.body(),
+            r = await client.post(target + request.url.path, content=body,
                                   headers={"content-type": "application/json"})
-        _stop_hard(proc)
+        if when(json.loads(body)):
+            _stop_hard(proc)
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     for path in ("/v1/completions", "/v1/chat/completions"):
-        app.add_api_route(path, prefill, methods=["POST"])
+        app.add_api_route(path, forward, methods=["POST"])
     return app
 
 
@@ -223,7 +226,7 @@ def test_a_prefill_instance_killed_before_the_pull(cluster):
         assert json.loads(events[0])["error"]["type"] == "kv_transfer_failed" and events[1:] == ["[DONE]"]
         assert time.monotonic() - began < 30
         # through the router: the first P dies after answering, the flow runs again on the live one
-        with running_app(_prefill_then_die(doomed[1], cluster.proc("doomed1"))) as front, \
+        with running_app(_kill_after(doomed[1], cluster.proc("doomed1"))) as front, \
                 running_app(Router(RouterSettings(prefill_instances=(front, cluster.url("prefill")),
                                                   decode_instances=(d,), request_timeout=60)).app) as router:
             assert _text(client, router, "/v1/completions", COMPLETION, False) == \
@@ -246,24 +249,6 @@ def _stop_hard(proc: subprocess.Popen) -> None:
     proc.wait(30)
 
 
-def _reserve_then_die(target: str, proc: subprocess.Popen) -> FastAPI:
-    """A DECODE instance's front that kills it once it has answered a reservation, before the push."""
-    app = FastAPI()
-
-    async def forward(request: Request) -> Response:
-        body = await request.body()
-        async with httpx.AsyncClient(timeout=60) as client:
-            r = await client.post(target + request.url.path, content=body,
-                                  headers={"content-type": "application/json"})
-        if (json.loads(body).get("kv_transfer_params") or {}).get("reserve"):
-            _stop_hard(proc)
-        return Response(r.content, status_code=r.status_code, media_type="application/json")
-
-    for path in ("/v1/completions", "/v1/chat/completions"):
-        app.add_api_route(path, forward, methods=["POST"])
-    return app
-
-
 @pytest.mark.slow
 def test_push_from_tp1_into_tp2_and_a_decode_instance_killed_after_its_reservation(tiny_llama, tmp_path):
     """PUSH (both instances' default mode) as real `heterollm serve` processes behind the router: a
@@ -271,6 +256,9 @@ def test_push_from_tp1_into_tp2_and_a_decode_instance_killed_after_its_reservati
     are a single instance's; a DECODE instance that dies after reserving makes the push fail with a
     clear 502 (no hang, no block kept on P), and through the router the flow runs again on the other
     DECODE instance."""
+    def reserving(body: dict) -> bool:  # a DECODE instance dies right after its reservation
+        return bool((body.get("kv_transfer_params") or {}).get("reserve"))
+
     c = Cluster(tiny_llama, tmp_path)
     pd = lambda role: [f"--instance_role={role}", f"--transfer_listen_port={free_port()}"]  # noqa: E731
     try:
@@ -296,7 +284,7 @@ def test_push_from_tp1_into_tp2_and_a_decode_instance_killed_after_its_reservati
             assert "pushing the prompt's KV failed" in r.json()["error"]["message"]
             assert time.monotonic() - began < 30
             # through the router: the first D dies after reserving, the flow runs again on the live one
-            with running_app(_reserve_then_die(doomed[1], c.proc("doomed1"))) as front, \
+            with running_app(_kill_after(doomed[1], c.proc("doomed1"), reserving)) as front, \
                     running_app(Router(RouterSettings(prefill_instances=(p,), decode_instances=(front, d),
                                                       request_timeout=60)).app) as router:
                 assert _text(client, router, "/v1/completions", COMPLETION, False) == \

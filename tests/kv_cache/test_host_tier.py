@@ -162,15 +162,21 @@ def test_no_block_leaks_through_spills_and_loads():
     assert m.host.num_used <= 5 and m.host.loaded > 0
 
 
+def a_spilled() -> tuple[KVCacheManager, list[int]]:
+    """A 3-block pool whose prompt `a` ran, then another prompt evicted a's 2 full blocks to the host."""
+    m = kv(num_blocks=3)
+    a = prompt(100)
+    run(m, "a", a)
+    run(m, "b", prompt(200))
+    moves(m)
+    return m, a
+
+
 def test_a_later_match_forgets_host_hits_an_earlier_one_found():
     """A waiting request found its prefix in the host tier; before its admission another request
     loaded those blocks back onto the device. Its next match finds them on the device, and its
     admission shares them and loads nothing."""
-    m = kv(num_blocks=3)
-    a, b = prompt(100), prompt(200)
-    run(m, "a", a)
-    run(m, "b", b)  # a's 2 full blocks go to the host
-    moves(m)
+    m, a = a_spilled()
     assert m.match_prefix("r", a) == 2 * BS  # from the host; r waits
     assert m.match_prefix("s", a) == 2 * BS
     s_table = list(m.allocate("s", len(a)))
@@ -187,11 +193,7 @@ def test_a_later_match_forgets_host_hits_an_earlier_one_found():
 def test_a_refused_allocation_drops_the_host_matches():
     """allocate returns None with the matched blocks dropped: a later allocate without a new match
     loads nothing from the host tier."""
-    m = kv(num_blocks=3)
-    a, b = prompt(100), prompt(200)
-    run(m, "a", a)
-    run(m, "b", b)  # a's 2 full blocks go to the host
-    moves(m)
+    m, a = a_spilled()
     assert m.match_prefix("r", a) == 2 * BS
     assert m.allocate("o", 3 * BS) is not None  # the whole pool
     assert m.allocate("r", len(a)) is None
@@ -228,11 +230,7 @@ def test_host_blocks_must_continue_a_fully_committed_table():
 def test_the_tier_needs_the_prefix_cache_and_drop_forgets_host_matches():
     with pytest.raises(ValueError, match=r"^the host tier keeps prefix-cache blocks: it needs the prefix cache$"):
         KVCacheManager(4, BS, host_slots=2)
-    m = kv(num_blocks=3)
-    a, b = prompt(100), prompt(200)
-    run(m, "a", a)
-    run(m, "b", b)  # a's 2 full blocks go to the host
-    moves(m)
+    m, a = a_spilled()
     assert m.match_prefix("r", a) == 2 * BS
     m.drop("r")  # e.g. aborted while waiting
     assert len(m.allocate("r", len(a))) == 3  # fresh blocks: evicts b's 2 cached ones to the host
