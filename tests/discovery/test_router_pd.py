@@ -32,9 +32,11 @@ PUSH_FAILED = {"error": {"message": "pushing the prompt's KV failed: D is gone",
 class FakePrefill:
     """Answers one token and the kv_transfer_params of the protocol; records bodies and releases."""
 
-    def __init__(self, name: str, push_failures: int = 0) -> None:
+    def __init__(self, name: str, push_failures: int = 0, answer: tuple[int, dict] | None = None) -> None:
         self.name, self.bodies, self.released, self.auth = name, [], [], []
         self.push_failures = push_failures
+        self.answer = answer
+        """(status, body) every prefill gets instead (an error of P's own)."""
         self.app = FastAPI()
         for path in ("/v1/completions", "/v1/chat/completions"):
             self.app.add_api_route(path, self.prefill, methods=["POST"])
@@ -44,6 +46,8 @@ class FakePrefill:
     async def prefill(self, request: Request) -> JSONResponse:
         body = await request.json()
         self.bodies.append(body)
+        if self.answer is not None:
+            return JSONResponse(self.answer[1], status_code=self.answer[0])
         reservation = body["kv_transfer_params"].get("reservation_id")
         if reservation is not None:  # PUSH: "writes" into D's reservation
             if len(self.bodies) <= self.push_failures:
@@ -284,6 +288,24 @@ def test_a_failed_push_cancels_the_reservation_and_runs_again_on_another_decode_
         r = httpx.post(router + "/v1/completions", json=COMPLETION, timeout=20)
         assert r.status_code == 502 and r.json() == PUSH_FAILED
         wait_for(lambda: d1.released[-1] == f"d1-r{len(d1.reserves)}", 5, "the reservation was not cancelled")
+
+
+@pytest.mark.parametrize("status,released", [(400, True), (503, True), (500, False)])
+def test_a_reservation_is_freed_at_once_only_when_p_surely_writes_nothing_more(status, released):
+    """P refused the request (400, 503): nothing was written, D's reservation is cancelled now. P's engine
+    failed (500): a push of P's may still be writing, so the reservation is left to expire."""
+    error = {"error": {"message": "no", "type": "BadRequestError" if status == 400 else "ServerError",
+                       "param": None, "code": status}}
+    p, d = FakePrefill("p", answer=(status, error)), FakeDecode(mode="PUSH")
+    with ExitStack() as stack:
+        p_url, d_url = _serve(stack, p, d)
+        r = httpx.post(_router(stack, [p_url], [d_url]) + "/v1/completions", json=COMPLETION, timeout=20)
+        assert r.status_code == status and r.json() == error and d.bodies == []
+        if released:
+            wait_for(lambda: d.released == ["d-r1"], 5, "the reservation was not cancelled")
+        else:
+            time.sleep(0.5)
+            assert d.released == []
 
 
 def test_mix_instances_serve_whole_requests_without_a_pair():

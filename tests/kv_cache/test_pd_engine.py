@@ -5,9 +5,11 @@ from a dead peer ends only that request, with the reason; bad params are refused
 the PD flags' launch checks."""
 from __future__ import annotations
 
+import contextlib
 import random
 import re
 import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -131,6 +133,207 @@ def test_a_pull_from_a_dead_peer_ends_that_request_only(prompts, instances, capl
     assert "pulling the prompt's KV failed" in outs["doomed"].error and "127.0.0.1:" in outs["doomed"].error
     assert outs["plain"].outputs[0].finish_reason == "length" and outs["plain"].error is None
     assert d.kv.num_free_blocks == free_d
+    assert p.release_kv(kv["remote_request_id"])
+
+
+def step_until(engine, done, seconds=60.0):
+    """Step `engine` until done(outputs so far) holds; fails past `seconds` instead of hanging."""
+    import time
+
+    outs, end = [], time.monotonic() + seconds
+    while not done(outs):
+        assert time.monotonic() < end, "the engine did not get there in time"
+        outs += engine.step()
+    return outs
+
+
+@contextlib.contextmanager
+def silent_peer(seconds=30.0):
+    """A peer that accepts connections and never answers, like a frozen process (SIGSTOP): a
+    transfer to it waits until the socket closes, at the block's end, or after `seconds` (so an
+    engine that waits for it in its step fails the test instead of hanging it)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(8)
+    watchdog = threading.Timer(seconds, s.close)
+    watchdog.start()
+    try:
+        yield f"127.0.0.1:{s.getsockname()[1]}"
+    finally:
+        watchdog.cancel()
+        s.close()
+
+
+@pytest.mark.parametrize("abort", [False, True])
+def test_a_silent_peer_holds_up_only_its_own_request(prompts, instances, abort):
+    """The pull runs on the transfer threads: while the prefill instance does not answer, the decode
+    instance serves its other requests to the end, and the waiting request keeps its blocks (an abort
+    meanwhile too: the pull could still write into them). When the peer goes away the pull fails,
+    the request ends with the reason, and every block comes back."""
+    from heterollm.scheduler.request import RequestStatus
+
+    p, d = instances
+    kv = prefill(p, prompts[2])
+    free_d = d.kv.num_free_blocks
+    with silent_peer() as addr:
+        d.add_request(prompts[2], greedy(), request_id="frozen",
+                      kv_transfer_params={**kv, "remote_ranks": [{**kv["remote_ranks"][0], "addr": addr}]})
+        d.add_request(prompts[1], greedy(), request_id="plain")
+        outs = step_until(d, lambda outs: any(o.request_id == "plain" and o.finished for o in outs))
+        assert d.scheduler.transferring["frozen"].status is RequestStatus.WAITING_FOR_REMOTE_KV
+        assert d.stats()["kv_moving"] == 1
+        assert not [o for o in outs if o.request_id == "frozen"], "nothing to say before its K/V is in"
+        if abort:
+            d.abort("frozen")
+            assert not d.has_unfinished(), "nobody waits for it: the engine may idle"
+            with pytest.raises(RequestRejected, match="already in use") as err:  # its blocks still bear the id
+                d.add_request(prompts[1], greedy(), request_id="frozen")
+            assert err.value.field == "request_id"
+            d.check_health()  # what an idle serving loop calls: it polls the move, still under way
+            assert "frozen" in d.scheduler.transferring
+        else:
+            assert d.has_unfinished()
+        assert d.kv.num_free_blocks < free_d, "the blocks the pull writes into stay out of the pool"
+    outs = step_until(d, lambda outs: not d.has_unfinished())
+    if not abort:
+        assert [o.outputs[0].finish_reason for o in outs if o.request_id == "frozen"] == ["error"]
+        assert "pulling the prompt's KV failed" in [o for o in outs if o.request_id == "frozen"][0].error
+    else:
+        idle_until_moves_end(d)
+    assert d.kv.num_free_blocks == free_d and not d.scheduler.transferring and d.stats()["kv_moving"] == 0
+    assert p.release_kv(kv["remote_request_id"])
+
+
+def test_pulling_requests_take_their_sequence_slots(prompts, instances, monkeypatch):
+    """A pulling request runs once its K/V is in: it counts against --max_seqs_per_batch from its
+    admission on, so pulls never make more sequences run than the limit allows."""
+    from heterollm.scheduler.request import RequestStatus
+
+    p, d = instances
+    monkeypatch.setattr(d.scheduler, "config", d.scheduler.config.model_copy(update={"max_seqs_per_batch": 2}))
+    kvs = [prefill(p, prompt) for prompt in prompts[:3]]
+    free_d = d.kv.num_free_blocks
+    for i, (prompt, kv) in enumerate(zip(prompts, kvs)):
+        d.add_request(prompt, greedy(4), request_id=f"pd{i}", kv_transfer_params=kv)
+    most, outs = 0, []
+    while d.has_unfinished():
+        outs += d.step()
+        pulling = sum(r.status is RequestStatus.WAITING_FOR_REMOTE_KV for r in d.scheduler.transferring.values())
+        most = max(most, pulling + len(d.scheduler.running))
+    assert most == 2 and sorted(o.request_id for o in outs if o.finished) == ["pd0", "pd1", "pd2"]
+    assert d.kv.num_free_blocks == free_d
+    for kv in kvs:
+        assert p.release_kv(kv["remote_request_id"])
+
+
+def test_a_pull_into_blocks_the_host_tier_saves_from_waits_for_the_save(tiny, prompts, instances):
+    """A DECODE instance with a host tier: admitting a pull evicts cached blocks, whose copies to the
+    host are due before anything writes into them. In a step that runs nothing but the pull, the saves
+    still go first: the prompt evicted comes back from the host tier with its own K/V (the same
+    tokens as recomputing it), not with the pulled prompt's."""
+    from heterollm import LLM
+
+    rng = random.Random(7)
+    fill = [[rng.randrange(100, 20000) for _ in range(31)] for _ in range(4)]  # 4 blocks each
+    ref = LLM(str(tiny), **COMMON)
+    want = ref.generate([fill[0]], greedy())[0].outputs[0].token_ids
+    ref.shutdown()
+    p, _ = instances
+    d = LLM(str(tiny), instance_role="DECODE", kv_cache_transfer_mode="PULL", transfer_listen_port=free_port(),
+            host_blocks_factor=4.0, **{**COMMON, "num_gpu_blocks_override": 16}).engine
+    try:
+        for prompt in fill:  # 16 blocks cached, fill[0]'s the least recently used
+            d.add_request(prompt, greedy(1))
+            drain(d)
+        saved = d.stats()["host_tier_saved"]
+        kv = prefill(p, prompts[3])  # 39 tokens: 5 blocks, evicting fill[0]'s
+        d.add_request(prompts[3], greedy(1), kv_transfer_params=kv)
+        drain(d)
+        assert d.stats()["host_tier_saved"] > saved, "the pull's blocks came from evicting cached ones"
+        p.release_kv(kv["remote_request_id"])
+        loaded = d.stats()["host_tier_loaded"]
+        d.add_request(fill[0], greedy())
+        assert drain(d)[-1].outputs[0].token_ids == want
+        assert d.stats()["host_tier_loaded"] > loaded, "fill[0]'s blocks came back from the host tier"
+    finally:
+        d.shutdown()
+
+
+def idle_until_moves_end(engine, seconds=30.0):
+    """An idle serving loop's health checks, until the moves nobody waits for ended."""
+    import time
+
+    end = time.monotonic() + seconds
+    while engine.scheduler.transferring:
+        assert time.monotonic() < end, "the abandoned move was never seen to end"
+        engine.check_health()
+        time.sleep(0.05)
+
+
+def test_a_move_still_running_when_the_peers_hold_ran_out_ends_its_request(prompts, instances, monkeypatch):
+    """A peer that never answers (Mooncake's handshake has no timeout of its own): once the prefill
+    instance's hold on the blocks ran out, nothing the pull brings is usable. The request ends with
+    that reason and the engine idles; the blocks come back when the move ends."""
+    import time
+
+    import heterollm.kv_cache.pd as pd
+
+    monkeypatch.setattr(pd, "move_margin", lambda: 0.0)  # the move starts although its hold ends in 1.5 s
+    p, d = instances
+    kv = prefill(p, prompts[2])
+    free_d = d.kv.num_free_blocks
+    with silent_peer() as addr:
+        began = time.monotonic()
+        d.add_request(prompts[2], greedy(), request_id="frozen", kv_transfer_params={
+            **kv, "remote_ranks": [{**kv["remote_ranks"][0], "addr": addr}], "expires_at": time.time() + 1.5})
+        outs = step_until(d, lambda outs: not d.has_unfinished())
+        assert 1 <= time.monotonic() - began < 20
+        assert [o.outputs[0].finish_reason for o in outs if o.request_id == "frozen"] == ["error"]
+        assert "did not end before the peer's hold on the blocks ran out" in outs[-1].error
+        assert "frozen" in d.scheduler.transferring and d.kv.num_free_blocks < free_d
+    idle_until_moves_end(d)
+    assert d.kv.num_free_blocks == free_d
+    assert p.release_kv(kv["remote_request_id"])
+
+
+def late_clock(monkeypatch):
+    """The transfer connector's wall clock jumps 1,000 s once the move's start was checked: the move
+    ends after the peer's hold ran out."""
+    import time
+
+    import heterollm.kv_cache.pd as pd
+
+    calls = []
+
+    def now():
+        calls.append(1)
+        return time.time() + (1000 if len(calls) > 1 else 0)
+
+    monkeypatch.setattr(pd, "time", type("Clock", (), {"time": staticmethod(now)}))
+
+
+@pytest.mark.parametrize("late", ["start", "end"])
+def test_a_pull_keeps_within_the_prefill_instances_hold(prompts, instances, monkeypatch, late):
+    """The prefill instance frees held blocks when its hold runs out (its answer says when: expires_at):
+    the decode instance does not start reading within the transport's timeout (+ 5 s) of that, and
+    drops what a read that ended after it brought (the request fails with the reason)."""
+    import time
+
+    from heterollm.kv_cache.pd import HOLD_TIMEOUT_S, move_margin
+
+    p, d = instances
+    kv = prefill(p, prompts[1])
+    assert time.time() + HOLD_TIMEOUT_S - 5 < kv["expires_at"] <= time.time() + HOLD_TIMEOUT_S
+    free_d, pulled = d.kv.num_free_blocks, d.stats()["kv_pull_blocks"]
+    if late == "end":
+        late_clock(monkeypatch)
+    d.add_request(prompts[1], greedy(), request_id="late", kv_transfer_params={
+        **kv, "expires_at": time.time() + (move_margin() - 1 if late == "start" else 1000)})
+    out = drain(d)[-1]
+    assert out.outputs[0].finish_reason == "error"
+    assert ("the prefill instance's hold on the blocks runs out in less than 35 s" if late == "start" else
+            "what was read is dropped") in out.error
+    assert d.kv.num_free_blocks == free_d and d.stats()["kv_pull_blocks"] == pulled
     assert p.release_kv(kv["remote_request_id"])
 
 

@@ -10,7 +10,8 @@ import pytest
 
 from heterollm.scheduler.request import RequestRejected
 
-from test_pd_engine import COMMON, drain, free_port, greedy, prompts, tiny  # noqa: F401 (fixtures)
+from test_pd_engine import (COMMON, drain, free_port, greedy, idle_until_moves_end, late_clock,  # noqa: F401
+                            prompts, silent_peer, step_until, tiny)
 
 
 @pytest.fixture(scope="module")
@@ -98,12 +99,21 @@ def test_a_chunked_prefill_pushes_once_its_last_chunk_ran(tiny, prompts, push_in
         assert res["cached_blocks"] == 0
         from heterollm import SamplingParams
 
-        steps, outs = [], []
+        pushed, outs = [], []  # per step run: the blocks it started pushing
+        run = p.executor.execute
+
+        def counting(so):
+            moves = (so.kv_transfers or {}).get("mooncake_transfer")
+            pushed.append(sum(len(m.local_blocks) for m in moves.pushes) if moves else 0)
+            return run(so)
+
+        p.executor.execute = counting
         p.add_request(prompts[3], SamplingParams(max_tokens=1, temperature=0), kv_transfer_params=res)
         while p.has_unfinished():
-            outs += p.step()
-            steps.append(p.stats()["kv_push_blocks"])
-        assert steps == [0, 0, 5]
+            step = p.step()
+            assert not step or p.stats()["kv_push_blocks"] == 5, "the answer waits for the push to end"
+            outs += step
+        assert pushed[:3] == [0, 0, 5] and sum(pushed) == 5 and len(outs) == 1 and outs[0].finished
         d.add_request(prompts[3], greedy(), kv_transfer_params=outs[-1].kv_transfer_params)
         assert drain(d)[-1].outputs[0].token_ids == want
     finally:
@@ -132,6 +142,60 @@ def test_a_push_to_a_dead_peer_ends_that_request_only(prompts, push_instances, c
     assert p.kv.num_free_blocks == free_p
     assert d.release_kv(res["reservation_id"]) and not d.release_kv(res["reservation_id"])
     assert d.kv.num_free_blocks == free_d and not d.scheduler.reserved
+
+
+def test_a_silent_decode_instance_holds_up_only_the_answer_that_waits_for_it(prompts, push_instances):
+    """The push runs on the transfer threads: while the decode instance does not answer, the prefill
+    instance serves its other requests, keeps the pushing request's blocks (the writes read them) and
+    holds back its answer (the signal that the K/V is in place). When the peer goes away the push
+    fails: the answer is the error, and every block comes back."""
+    from heterollm import SamplingParams
+
+    p, d = push_instances
+    free_p = p.kv.num_free_blocks
+    res = d.reserve_kv(prompts[3])
+    with silent_peer() as addr:
+        p.add_request(prompts[3], SamplingParams(max_tokens=1, temperature=0), request_id="frozen",
+                      kv_transfer_params={**res, "remote_ranks": [{**res["remote_ranks"][0], "addr": addr}]})
+        p.add_request(prompts[1], greedy(6), request_id="plain")
+        outs = step_until(p, lambda outs: any(o.request_id == "plain" and o.finished for o in outs))
+        assert not [o for o in outs if o.request_id == "frozen"], "no answer before the K/V is in place"
+        assert "frozen" in p.scheduler.transferring and p.kv.num_free_blocks < free_p
+    outs = step_until(p, lambda outs: not p.has_unfinished())
+    frozen = [o for o in outs if o.request_id == "frozen"]
+    assert len(frozen) == 1 and frozen[0].outputs[0].finish_reason == "error"
+    assert "pushing the prompt's KV failed" in frozen[0].error and frozen[0].kv_transfer_params is None
+    assert p.kv.num_free_blocks == free_p and not p.scheduler.transferring
+    assert d.release_kv(res["reservation_id"])
+
+
+def test_a_step_that_fails_before_its_push_leaves_no_request_waiting_for_it(prompts, push_instances, monkeypatch):
+    """The forward of the step that would push raises: the push never started, so it ends as failed at
+    the next step; the aborted request (what a serving loop does after a failed step) gives its blocks
+    back, and the engine idles again instead of waiting for a push that never comes."""
+    from heterollm import SamplingParams
+
+    p, d = push_instances
+    free_p = p.kv.num_free_blocks
+    res = d.reserve_kv(prompts[2])
+    runner = p.executor.runner
+    forward = runner._forward
+
+    def broken(inputs):
+        raise RuntimeError("the device fell over")
+
+    monkeypatch.setattr(runner, "_forward", broken)
+    p.add_request(prompts[2], SamplingParams(max_tokens=1, temperature=0), request_id="broken",
+                  kv_transfer_params=res)
+    with pytest.raises(RuntimeError, match="fell over"):
+        p.step()
+    monkeypatch.setattr(runner, "_forward", forward)
+    assert "broken" in p.scheduler.transferring
+    p.abort("broken")
+    assert not p.has_unfinished()
+    idle_until_moves_end(p, 10)  # the idle loop's health checks poll the failed push
+    assert p.kv.num_free_blocks == free_p
+    assert d.release_kv(res["reservation_id"])
 
 
 def test_an_unclaimed_reservation_is_freed_and_cannot_be_claimed_after(prompts, push_instances, monkeypatch):
@@ -203,22 +267,30 @@ def test_both_instances_must_run_the_same_mode_and_bad_params_are_refused(tiny, 
     assert not d.release_kv(res["reservation_id"])
 
 
-def test_a_push_never_starts_past_its_reservations_deadline(prompts, push_instances):
+@pytest.mark.parametrize("late", ["start", "end"])
+def test_a_push_keeps_within_its_reservations_hold(prompts, push_instances, monkeypatch, late):
     """The decode instance may have freed (and reused) the blocks of a reservation whose hold ran out:
-    the prefill instance refuses to write into them, with the reason."""
+    the prefill instance does not start writing within the transport's timeout (+ 5 s) of its end, and
+    a write that ended after it fails the request, with the reason."""
     import time
 
     from heterollm import SamplingParams
+    from heterollm.kv_cache.pd import move_margin
 
     p, d = push_instances
     free_p = p.kv.num_free_blocks
     res = d.reserve_kv(prompts[1])
     pushed = p.stats()["kv_push_blocks"]
+    expires_at = time.time() + (move_margin() - 1 if late == "start" else 1000)
+    if late == "end":
+        late_clock(monkeypatch)
     p.add_request(prompts[1], SamplingParams(max_tokens=1, temperature=0), request_id="late",
-                  kv_transfer_params={**res, "expires_at": time.time() + 4})  # inside the 5 s margin
+                  kv_transfer_params={**res, "expires_at": expires_at})
     out = drain(p)[-1]
-    assert out.outputs[0].finish_reason == "error" and "reservation expired" in out.error
-    assert p.stats()["kv_push_blocks"] == pushed + 2, "counted as scheduled, but nothing was written"
+    assert out.outputs[0].finish_reason == "error" and out.kv_transfer_params is None
+    assert ("runs out in less than 35 s" if late == "start" else "ended after the decode instance's reservation "
+            "ran out") in out.error
+    assert p.stats()["kv_push_blocks"] == pushed, "a failed push counts no block"
     assert p.kv.num_free_blocks == free_p and d.release_kv(res["reservation_id"])
 
 

@@ -390,6 +390,7 @@ _EMPTY_STATS: dict[str, Any] = {
     "prefix_host_hits": 0, "host_tier_blocks": 0, "host_tier_cached_blocks": 0, "host_tier_saved": 0,
     "host_tier_loaded": 0, "prefix_store_hits": 0, "store_put_blocks": 0, "store_fetched_blocks": 0,
     "kv_pull_blocks": 0, "kv_pull_seconds": 0.0, "kv_push_blocks": 0, "kv_push_seconds": 0.0, "kv_reservations": 0,
+    "kv_moving": 0,
     "spec_acceptance_rate": 0.0, "spec_mean_accepted_length": 0.0, "spec_num_drafts": 0, "spec_num_draft_tokens": 0,
     "spec_num_accepted_tokens": 0, "spec_accepted_per_position": [], "moe": None}
 """What /metrics shows for a core before its first report."""

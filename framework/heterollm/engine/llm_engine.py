@@ -52,6 +52,9 @@ from heterollm.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 logger = logging.getLogger("heterollm.engine")
 
+MOVE_POLL_S = 0.002
+"""PD: the pause before a step that only polls the K/V moves under way (nothing else to run)."""
+
 
 @dataclass
 class _Child:
@@ -82,7 +85,7 @@ class _PDAdmission:
     """What a request's kv_transfer_params do to it (kv_cache/pd.py)."""
 
     hold: bool = False
-    pull: tuple[Any, list[int]] | None = None
+    pull: tuple[Any, list[int], float] | None = None
     first_token: int | None = None
     push: tuple[Any, list[int], int, float] | None = None
     """PUSH, PREFILL: (the decode instance's ranks, its reserved blocks, how many it had cached, when the
@@ -110,11 +113,15 @@ class LLMEngine:
         self.kv_pull_blocks = 0
         """PD, DECODE: blocks pulled from prefill instances so far."""
         self.kv_pull_seconds = 0.0
-        """Seconds the steps spent moving KV blocks in while pulling (rank 0's clock)."""
+        """Seconds the pulls took, from the step that started each to the step that saw it end."""
         self.kv_push_blocks = 0
         """PD PUSH, PREFILL: blocks written into decode instances' reservations so far."""
         self.kv_push_seconds = 0.0
-        """Seconds the steps spent writing them, after their forwards (rank 0's clock)."""
+        """Seconds the pushes took, from the step whose forward completed the prompt to the step that
+        saw the writes end."""
+        self._moves: dict[str, tuple[str, int, float, float]] = {}
+        """PD: request id -> ("pull" / "push", its blocks, when the step that starts it was scheduled, when
+        the peer's hold on the blocks ends: time.time())."""
         self.engine_id = uuid.uuid4().hex
         """Names this engine to other instances (PD: remote_engine_id)."""
         self._pd_ranks: list[dict[str, Any]] | None = None
@@ -459,6 +466,7 @@ class LLMEngine:
             first = int(kv["first_token_id"])
             remote_ids = [int(t) for t in kv["prompt_token_ids"]]
             block_size = int(kv["block_size"])
+            expires_at = float(kv.get("expires_at", "inf"))
         except (KeyError, TypeError, ValueError) as exc:
             raise RequestRejected("kv_transfer_params", f"not a prefill instance's answer: {exc}") from None
         if remote_ids != list(ids):
@@ -471,7 +479,7 @@ class LLMEngine:
             raise RequestRejected("kv_transfer_params", "remote_block_ids do not cover the prompt")
         if not 0 <= first < self.vocab_size:
             raise RequestRejected("kv_transfer_params", f"first_token_id {first} is outside the vocabulary")
-        return _PDAdmission(pull=(peers, remote_blocks), first_token=first)
+        return _PDAdmission(pull=(peers, remote_blocks, expires_at), first_token=first)
 
     def _push_target(self, kv: dict[str, Any], ids: list[int]) -> tuple[Any, list[int], int, float]:
         """PUSH, PREFILL: where the decode instance's reservation wants the prompt's blocks."""
@@ -551,16 +559,19 @@ class LLMEngine:
     def _pd_params(self, parent: _Parent) -> dict[str, Any] | None:
         """A finished do_remote_decode request's answer for the DECODE instance."""
         r = parent.children[0].request
-        if parent.finished and r.pd_reservation and r.output_token_ids and r.finish_reason in ("stop", "length"):
+        if parent.finished and r.pd_reservation and r.output_token_ids and r.finish_reason in ("stop", "length") \
+                and r.request_id not in self.scheduler.transferring:
             return {"do_remote_prefill": True, "kv_cache_transfer_mode": "PUSH", "reservation_id": r.pd_reservation,
                     "remote_engine_id": self.engine_id, "prompt_token_ids": list(r.prompt_token_ids),
                     "first_token_id": r.output_token_ids[0], "block_size": self.config.kv_cache.block_size}
         if not (parent.finished and r.kv_hold and r.held_blocks and r.output_token_ids):
             return None
+        held = self.scheduler.held.get(r.request_id, self.scheduler.clock())
         return {"do_remote_prefill": True, "remote_request_id": r.request_id, "remote_engine_id": self.engine_id,
                 "remote_ranks": self._pd_ranks, "remote_block_ids": list(r.held_blocks),
                 "prompt_token_ids": list(r.prompt_token_ids), "first_token_id": r.output_token_ids[0],
-                "block_size": self.config.kv_cache.block_size}
+                "block_size": self.config.kv_cache.block_size,
+                "expires_at": time.time() + held - self.scheduler.clock()}
 
     def release_kv(self, remote_request_id: str) -> bool:
         """Free the blocks this PREFILL instance kept for `remote_request_id` (after the DECODE instance
@@ -615,6 +626,7 @@ class LLMEngine:
             return
         for child in parent.children:
             self.scheduler.finish(child.request.request_id, "abort")
+            child.request.kv_abandoned = True  # a move under way ends unwatched (its blocks come back then)
             self._children.pop(child.request.request_id, None)
             if self.proposer is not None:
                 self.proposer.finish(child.request.request_id)
@@ -681,10 +693,16 @@ class LLMEngine:
         return result
 
     def check_health(self) -> None:
-        """Raise ExecutorDead when the executor's workers are gone (executors that have workers)."""
+        """Raise ExecutorDead when the executor's workers are gone (executors that have workers). Called
+        by the serving loops while the engine is idle (about every 0.5 s): it also looks at the moves
+        nobody waits for any more, so their blocks come back without waiting for traffic."""
         check = getattr(self.executor, "check_health", None)
         if check is not None:
             check()
+        if self.scheduler.transferring and not self.has_unfinished():
+            so = self.scheduler.schedule()  # nothing to run: a step that only polls the moves
+            result, _ = self._execute(so)
+            self._process(so, result, self._update(so, result))
 
     def stats(self) -> dict[str, Any]:
         """The engine's gauges and counters, by name (what /metrics exports per replica; an engine-core
@@ -736,7 +754,7 @@ class LLMEngine:
                 "prefix_store_hits": getattr(self.kv, "store_hits", 0),
                 "kv_pull_blocks": self.kv_pull_blocks, "kv_pull_seconds": self.kv_pull_seconds,
                 "kv_push_blocks": self.kv_push_blocks, "kv_push_seconds": self.kv_push_seconds,
-                "kv_reservations": len(self.scheduler.reserved),
+                "kv_reservations": len(self.scheduler.reserved), "kv_moving": len(self.scheduler.transferring),
                 "store_put_blocks": self.kv_store.put if self.kv_store else 0,
                 "store_fetched_blocks": self.kv_store.fetched if self.kv_store else 0}
 
@@ -751,12 +769,17 @@ class LLMEngine:
             failed = self._fail_grammars()
             if failed:
                 return failed
+        if self.scheduler.transferring:
+            expired = self._expire_moves()
+            if expired:
+                return expired
         if self._worker is not None:
             return self._step_overlapped()
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
-        if not so.requests:
+        if not so.requests and not self._moves_only(so):
             return self._stuck()
+        self._note_moves(so)
         self._fill_grammar_bitmask(so)
         t1 = time.perf_counter()
         result, run_s = self._execute(so)
@@ -777,15 +800,21 @@ class LLMEngine:
         so = self.scheduler.schedule()  # while the previous step runs
         schedule_s = time.perf_counter() - t0
         previous, self._in_flight = self._in_flight, None
-        if previous is None and not so.requests:
+        runs = bool(so.requests) or self._moves_only(so)
+        self._note_moves(so)
+        if previous is None and not runs:
             return self._stuck()
         changed = None
         if previous is not None:
             prev_so, future, prev_schedule_s = previous
-            result, run_s = future.result()
+            try:
+                result, run_s = future.result()
+            except BaseException:
+                self.scheduler.unstarted(so)
+                raise
             changed = self._update(prev_so, result)
         self.scheduler.resolve()
-        if so.requests:
+        if runs:
             self._fill_grammar_bitmask(so)
             self._in_flight = (so, self._worker.submit(self._execute, so), schedule_s)
         if previous is None:
@@ -794,6 +823,46 @@ class LLMEngine:
         outputs = self._process(prev_so, result, changed)
         self._after_step(prev_so, result, prev_schedule_s, t2, run_s)
         return outputs
+
+    def _note_moves(self, so: SchedulerOutput) -> None:
+        moves = so.kv_transfers.get("mooncake_transfer") if so.kv_transfers is not None else None
+        if moves is not None:
+            now = time.monotonic()
+            for kind, started in (("pull", moves.pulls), ("push", moves.pushes)):
+                for move in started:
+                    self._moves[move.request_id] = (kind, len(move.local_blocks), now, move.expires_at)
+
+    def _expire_moves(self) -> list[RequestOutput]:
+        """PD: a move still under way when the peer's hold on its blocks ran out can bring nothing
+        usable any more (a peer that never answered: Mooncake's handshake has no timeout of its own).
+        Its request ends now with the reason; its blocks come back when the move ends."""
+        now, touched = time.time(), set()
+        for request_id, r in self.scheduler.transferring.items():
+            move = self._moves.get(request_id)
+            if r.kv_abandoned or move is None or now <= move[3]:
+                continue
+            r.kv_abandoned = True
+            if request_id not in self._children:
+                continue
+            parent, child = self._children[request_id]
+            why = (f"{'pushing' if move[0] == 'push' else 'pulling'} the prompt's KV failed: the transfer did not "
+                   f"end before the peer's hold on the blocks ran out (held {HOLD_TIMEOUT_S:.0f} s)")
+            logger.error("request %s: %s", request_id, why)
+            r.error, r.finish_reason, r.finished_time = why, "error", time.monotonic()
+            child.final_text = child.detok.text
+            self.scheduler.finish(request_id, "error")
+            touched.add(parent.request_id)
+        return self._outputs(touched)
+
+    def _moves_only(self, so: SchedulerOutput) -> bool:
+        """PD: a step with no request still runs while K/V moves: it starts the pulls just scheduled,
+        or polls the moves under way (every rank; briefly paced, as nothing else is computed)."""
+        if so.kv_transfers:
+            return True
+        if self.scheduler.moving():
+            time.sleep(MOVE_POLL_S)
+            return True
+        return False
 
     def _update(self, so: SchedulerOutput, result: RunnerOutput) -> list[tuple[Request, list[int]]]:
         """The scheduler takes the step's tokens; each sequence's grammar advances by them."""
@@ -880,16 +949,7 @@ class LLMEngine:
 
     def _after_step(self, so: SchedulerOutput, result: RunnerOutput, schedule_s: float, t_output: float,
                     run_s: float) -> None:
-        if so.kv_transfers is not None:
-            moves = so.kv_transfers.get("mooncake_transfer")
-            if moves is not None:
-                if moves.pulls:
-                    self.kv_pull_blocks += sum(len(p.local_blocks) for p in moves.pulls)
-                    self.kv_pull_seconds += result.timings.get("kv_transfer", 0.0)
-                if moves.pushes:
-                    self.kv_push_blocks += sum(len(p.local_blocks) for p in moves.pushes)
-                    self.kv_push_seconds += result.timings.get("kv_push", 0.0)
-        if self.scheduler.latency is not None:
+        if self.scheduler.latency is not None and so.requests:  # a step that only moved K/V models nothing
             self.scheduler.latency.model.observe(
                 [(len(r.new_token_ids), r.num_computed_tokens) for r in so.requests], run_s)
             host = so.kv_transfers.get("host") if so.kv_transfers is not None else None
@@ -898,28 +958,45 @@ class LLMEngine:
                     len(host.load), result.timings.get("kv_load", result.timings.get("kv_transfer", 0.0)))
         if self.kv_events is not None:
             self.kv_events.publish(self.kv.take_events())
-        if self.profiler is not None:
+        if self.profiler is not None and so.requests:
             self.profiler.record(len(so.requests), so.num_tokens, schedule_s, result.timings,
                                  time.perf_counter() - t_output, self._spec_step if self.spec is not None else None)
+
+    def _count_move(self, request_id: str, why: str | None, now: float) -> None:
+        """The KV transfer counters of a move that ended (its blocks, once they arrived, and the time
+        from the step that started it to the step that saw it end)."""
+        kind, blocks, started, _ = self._moves.pop(request_id, (None, 0, now, 0.0))
+        if why is not None or kind is None:
+            return
+        if kind == "pull":
+            self.kv_pull_blocks += blocks
+            self.kv_pull_seconds += now - started
+        else:
+            self.kv_push_blocks += blocks
+            self.kv_push_seconds += now - started
 
     def _process(self, so: SchedulerOutput, result: RunnerOutput,
                  changed: list[tuple[Request, list[int]]]) -> list[RequestOutput]:
         """Turn a step's new tokens (from the scheduler's update) into text, stop checks, outputs."""
         touched: set[str] = set()
         now = time.monotonic()
-        for request_id, why in (result.kv_failed or {}).items():
+        for request_id, why in (result.kv_done or {}).items():
+            self._count_move(request_id, why, now)
             if request_id not in self._children:
                 continue
             parent, child = self._children[request_id]
             r = child.request
-            logger.error("request %s: %s", request_id, why)
-            verb = "pushing" if r.pd_reservation else "pulling"
-            r.error, r.finish_reason, r.finished_time = f"{verb} the prompt's KV failed: {why}", "error", now
-            child.final_text = child.detok.text
-            self.scheduler.finish(request_id, "error")
-            touched.add(parent.request_id)
+            if why is not None:
+                logger.error("request %s: %s", request_id, why)
+                verb = "pushing" if r.pd_reservation else "pulling"
+                r.error, r.finish_reason, r.finished_time = f"{verb} the prompt's KV failed: {why}", "error", now
+                child.final_text = child.detok.text
+                self.scheduler.finish(request_id, "error")
+                touched.add(parent.request_id)
+            elif r.status is RequestStatus.FINISHED:  # a PREFILL instance's answer waited for its push
+                touched.add(parent.request_id)
         for request, tokens in changed:
-            if request.request_id not in self._children:  # aborted while the step ran
+            if request.request_id not in self._children or request.error:  # aborted, or its move failed
                 continue
             parent, child = self._children[request.request_id]
             if request.pooled is not None and child.final_text is None:  # a pooling request is done
@@ -938,6 +1015,8 @@ class LLMEngine:
             if child.final_text is not None:
                 request.finished_time = now
                 self.scheduler.finish(request.request_id, request.finish_reason or "stop")
+            if request.request_id in self.scheduler.transferring:  # PUSH: answered once the K/V is in place
+                continue
             touched.add(parent.request_id)
         for item in so.requests:
             if item.want_prompt_logprobs and item.request_id in self._children:

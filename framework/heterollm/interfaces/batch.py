@@ -107,9 +107,10 @@ class RunnerOutput:
     """Seconds spent in this step's phases on the worker ("prepare", "forward", "sample", and
     "kv_transfer" when the step moved KV blocks), for --enable_profile_step_time and the KV
     transfer counters."""
-    kv_failed: dict[str, str] | None = None
-    """Request id -> why its KV could not be brought in this step (a KV connector's pull failed on some
-    rank): the engine ends it with that error; None when none failed."""
+    kv_done: dict[str, str | None] | None = None
+    """PD: request id -> None for a request whose K/V move (a pull into this instance, a push out of it)
+    ended on every rank by this step, or why it failed on some rank (the engine ends that request
+    with the error); None when no move ended."""
     expert_load: dict[str, Any] | None = None
     """--enable_eplb: the expert-load counters after this step (sparse layer indices, choices per
     logical expert and per physical slot since start, each slot's expert, each rank's choices since

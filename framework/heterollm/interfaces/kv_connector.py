@@ -9,7 +9,9 @@ transport) in its wheel.
 
 The engine side decides what moves: the KV cache manager names blocks by prefix hash and keeps the
 bookkeeping of what the other place holds; each step's `SchedulerOutput.kv_transfers` lists the
-moves per connector, which every rank runs on its own shard of the cache before the step's forward.
+moves per connector, which every rank runs on its own shard of the cache before the step's forward
+(pushes after it). Pulls and pushes between instances may run asynchronously (`asynchronous`): the
+scheduler then keeps the request waiting for its K/V, and the engine steps on while it moves.
 """
 from __future__ import annotations
 
@@ -50,6 +52,9 @@ class KVPull:
     """The prefill instance's ranks, in rank order."""
     remote_blocks: tuple[int, ...]
     local_blocks: tuple[int, ...]
+    expires_at: float = float("inf")
+    """time.time() after which the prefill instance may have freed the blocks: no read may start near
+    it, and a read that ends after it is dropped (the connector keeps a margin)."""
 
 
 @dataclass(frozen=True)
@@ -64,14 +69,15 @@ class KVPush:
     local_blocks: tuple[int, ...]
     remote_blocks: tuple[int, ...]
     expires_at: float = float("inf")
-    """time.time() after which the decode instance may have freed the blocks: no write may start
-    then (the connector keeps a margin)."""
+    """time.time() after which the decode instance may have freed the blocks: no write may start near
+    it (the connector keeps a margin), and a write that ends after it fails the request."""
 
 
 @dataclass
 class KVTransfers:
-    """One step's block moves for one connector. Every rank runs them before the step's forward, all
-    of `save` before any of `load` (a block saved this step may be reused as a load's destination)."""
+    """One step's block moves for one connector. Every rank runs them before the step's forward (the
+    pushes after it), all of `save` before any of `load` (a block saved this step may be reused as a
+    load's destination)."""
 
     save: list[tuple[int, int]] = field(default_factory=list)
     """(cache block, key): copy the block's K/V out under `key` (the host tier's slot; the KV store's
@@ -111,10 +117,15 @@ class KVConnector(Component):
     def load(self, pairs: list[tuple[int, int]]) -> None:
         """Copy each (slot, cache block) in; the step's forward, which runs next, must see the data."""
 
+    asynchronous = False
+    """Whether `apply` and `after_forward` only start a step's pulls and pushes (the transfer runs while
+    the engine goes on stepping) and `poll` says when each ended. A connector that moves them before
+    returning keeps False: every move it was given has ended when the call returns."""
+
     def apply(self, transfers: KVTransfers) -> dict[str, str]:
-        """Run one step's moves: saves first, then loads. Returns request id -> why, for requests whose
-        blocks could not be brought in (a pull from a dead peer): the engine ends those requests with
-        that error; the step's other requests are unaffected."""
+        """Run one step's moves: saves first, then loads; start (or run) its pulls. Returns request id ->
+        why, for requests whose blocks could not be brought in (a pull from a dead peer, found at once):
+        the engine ends those requests with that error; the step's other requests are unaffected."""
         if transfers.save:
             self.save(transfers.save)
         if transfers.load:
@@ -131,8 +142,14 @@ class KVConnector(Component):
         raise NotImplementedError(f"{type(self).__name__} loads every layer at once")
 
     def after_forward(self, transfers: KVTransfers) -> dict[str, str]:
-        """Run the step's moves that need its forward's K/V (`transfers.pushes`), after the forward.
-        Returns request id -> why for the requests whose blocks did not arrive, as `apply` does."""
+        """Start (or run) the step's moves that need its forward's K/V (`transfers.pushes`), after the
+        forward. Returns request id -> why for the pushes that failed at once, as `apply` does."""
+        return {}
+
+    def poll(self) -> dict[str, str | None]:
+        """An asynchronous connector's pulls and pushes that ended since the last poll: request id ->
+        None when its blocks arrived, or why not. Called once per step on every rank; the engine keeps
+        the blocks of a moving request (even one aborted meanwhile) until its move ended on every rank."""
         return {}
 
     def info(self) -> dict[str, object]:

@@ -11,10 +11,11 @@ PULL (the DECODE instance reads):
    `kv_transfer_params` (`prefill_result`): its ranks' transfer endpoints and cache addresses, the
    block ids, the prompt's token ids and the first token.
 2. The DECODE instance admits the request with those params: the blocks its prefix cache lacks are
-   allocated, the first token is its first output, and the step that decodes it first pulls the
-   blocks over Mooncake's transfer engine (TCP), rank by rank, head by head (the two instances may
-   have different tensor-parallel sizes). A pull that fails ends that request with an error; the
-   step's other requests go on.
+   allocated, the first token is its first output, and each rank pulls the blocks over Mooncake's
+   transfer engine (TCP), head by head (the two instances may have different tensor-parallel sizes),
+   on its transfer threads: the request waits for its K/V (`Scheduler.transferring`) while the
+   engine steps on with the others, and decodes once the pull ended on every rank. A pull that
+   fails ends that request with an error; the other requests go on.
 3. The router then releases the PREFILL instance's blocks.
 
 PUSH (the PREFILL instance writes; xLLM's default):
@@ -24,17 +25,23 @@ PUSH (the PREFILL instance writes; xLLM's default):
    the prefill instance's K/V, or for HOLD_TIMEOUT_S. The answer's `kv_transfer_params` name its
    ranks, the reservation and the blocks to write.
 2. The PREFILL instance runs the prompt with those params; right after the forward that completes
-   the prompt, each rank writes its share of the blocks into the reserved ones (head by head, to the
-   decode ranks that hold those heads; --kv_push_dst_rotate starts each rank at a different one).
-   Its answer (the first token, the reservation) is the signal that the K/V is in place; a push that
-   failed is a 502 kv_transfer_failed, and the reservation expires.
+   the prompt, each rank starts writing its share of the blocks into the reserved ones on its
+   transfer threads (head by head, to the decode ranks that hold those heads; --kv_push_dst_rotate
+   starts each rank at a different one), and the engine steps on. Its answer (the first token, the
+   reservation), sent once the writes ended on every rank, is the signal that the K/V is in place;
+   the request's blocks are kept until then. A push that failed is a 502 kv_transfer_failed, and the
+   reservation expires.
 3. The DECODE instance admits the request with that answer: it takes over the reservation's blocks
    and decodes from the first token on; nothing is transferred in its step.
 """
 from __future__ import annotations
 
 import logging
+import os
 import time
+import queue
+import threading
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,12 +56,24 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("heterollm.kv_cache.pd")
 
-HOLD_TIMEOUT_S = 60.0
+HOLD_TIMEOUT_S = 120.0
 """How long a PREFILL instance keeps a finished request's blocks for its DECODE instance to pull, and a
 DECODE instance a reservation for its PREFILL instance to push into (PUSH)."""
-PUSH_MARGIN_S = 5.0
-"""A PREFILL instance writes into a reservation only while it has this much of its hold left (the
-instances' wall clocks may differ a little: keep them in sync, e.g. NTP)."""
+
+
+def move_margin() -> float:
+    """The hold a move must have left to start: Mooncake's own transfer timeout (MC_TRANSFER_TIMEOUT,
+    30 s by default, 5 s at least), so a transfer that hangs has given up before the peer frees the
+    blocks it reads or writes, plus 5 s for the instances' wall clocks to differ (keep them in sync,
+    e.g. NTP)."""
+    try:
+        timeout = max(5, int(os.environ.get("MC_TRANSFER_TIMEOUT", "30")))
+    except ValueError:
+        timeout = 30
+    return timeout + 5.0
+TRANSFER_THREADS = 4
+"""Moves a rank runs at once (each its own request's, all its peer ranks one after another): a peer that
+does not answer holds one thread until the transport's timeout, the others go on."""
 ROLES = ("DEFAULT", "MIX", "PREFILL", "DECODE")
 _SPLITWISE = {"mixed": None, "prefill": "PREFILL", "decode": "DECODE"}
 
@@ -143,6 +162,9 @@ class MooncakeTransferConnector(KVConnector):
             if self.engine.register_memory(cache.data_ptr(), cache.numel() * cache.element_size()) != 0:
                 raise ConfigError("--instance_role: the transfer engine could not register the KV cache's memory")
         self.addr = f"{host}:{self.engine.get_rpc_port()}"
+        self.threads = _DaemonThreads(TRANSFER_THREADS, f"heterollm-kv-transfer-{self.rank}")
+        self.moving: dict[str, tuple[str, Future]] = {}
+        """request id -> ("pull" / "push", its move running on the transfer threads)."""
         logger.info("KV transfer: rank %d listens on %s", self.rank, self.addr)
 
     def info(self) -> dict[str, Any]:
@@ -156,27 +178,54 @@ class MooncakeTransferConnector(KVConnector):
     def load(self, pairs: list[tuple[int, int]]) -> None:
         raise NotImplementedError("the transfer connector only pulls and pushes between instances")
 
+    asynchronous = True
+
     def apply(self, transfers: KVTransfers) -> dict[str, str]:
-        return self._run(transfers.pulls, "pull")
+        self._start(transfers.pulls, "pull")
+        return {}
 
     def after_forward(self, transfers: KVTransfers) -> dict[str, str]:
-        return self._run(transfers.pushes, "push")
+        self._start(transfers.pushes, "push")
+        return {}
 
-    def _run(self, moves: list[KVPull] | list[KVPush], kind: str) -> dict[str, str]:
-        failed = {}
+    def _start(self, moves: list[KVPull] | list[KVPush], kind: str) -> None:
+        """Each move runs on the transfer threads (Mooncake's calls release the GIL) while the engine
+        steps on: a slow or dead peer holds up only its own requests, for the transport's timeout."""
         for move in moves:
-            why = self._move(move, kind == "push")
+            self.moving[move.request_id] = (kind, self.threads.submit(self._move, move, kind == "push"))
+
+    def poll(self) -> dict[str, str | None]:
+        ended = {}
+        for rid, (kind, future) in list(self.moving.items()):
+            if not future.done():
+                continue
+            del self.moving[rid]
+            try:
+                why = future.result()
+            except Exception as exc:  # a bug or a transport error the move did not name; or cancelled
+                why = f"{type(exc).__name__}: {exc}"
             if why is not None:
-                failed[move.request_id] = why
-                logger.warning("KV %s for %s failed: %s", kind, move.request_id, why)
-        return failed
+                logger.warning("KV %s for %s failed: %s", kind, rid, why)
+            ended[rid] = why
+        return ended
 
     def _move(self, move: KVPull | KVPush, push: bool) -> str | None:
+        """Check the peer's hold, then move (it must end within the hold, else what moved is not trusted)."""
+        hold = "the decode instance's reservation" if push else "the prefill instance's hold on the blocks"
+        if time.time() > move.expires_at - move_margin():
+            return (f"{hold} runs out in less than {move_margin():.0f} s (held {HOLD_TIMEOUT_S:.0f} s): its "
+                    f"blocks may be another request's before the transfer ends, nothing is " +
+                    ("written" if push else "read"))
+        why = self._copy(move, push)
+        if why is None and time.time() > move.expires_at:
+            return (f"the transfer ended after {hold} ran out: " +
+                    ("the decode instance may have given the blocks to another request" if push else
+                     "the prefill instance may have given the blocks to another request; what was read is dropped"))
+        return why
+
+    def _copy(self, move: KVPull | KVPush, push: bool) -> str | None:
         """Copy the move's blocks between this rank's cache and the peer ranks that hold the same KV
         heads: read them (a pull) or write them (a push), one batch per peer rank."""
-        if push and time.time() > move.expires_at - PUSH_MARGIN_S:
-            return (f"the decode instance's reservation expired (held {HOLD_TIMEOUT_S:.0f} s) before this "
-                    "prefill finished: its blocks may be another request's by now, nothing is written")
         mine = self.caches[0]
         _, heads, blocks, bs, dim = mine.shape
         elt = mine.element_size()
@@ -221,6 +270,13 @@ class MooncakeTransferConnector(KVConnector):
         return None
 
     def close(self) -> None:
+        if getattr(self, "threads", None) is not None:
+            self.threads.shutdown()  # the moves not started are cancelled; running ones are not waited for
+            self.threads = None
+        if any(not future.done() for _, future in getattr(self, "moving", {}).values()):
+            logger.warning("KV transfer: rank %d closes with transfers still running (a peer that does not "
+                           "answer); its cache stays registered until the process ends", self.rank)
+            self.caches = []
         if self.caches:
             for cache in self.caches:
                 try:
@@ -228,6 +284,48 @@ class MooncakeTransferConnector(KVConnector):
                 except Exception:
                     pass
         self.caches = []
+
+
+class _DaemonThreads:
+    """A fixed set of daemon threads running submitted calls in order: a transfer to a peer that never
+    answers blocks its thread, but never the process's exit (a ThreadPoolExecutor's threads are joined
+    then)."""
+
+    def __init__(self, count: int, name: str) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.count = count
+        for i in range(count):
+            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True).start()
+
+    def submit(self, fn: Any, *args: Any) -> Future:
+        future: Future = Future()
+        self.jobs.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    def shutdown(self) -> None:
+        """Cancel the calls not started, and let each thread end after its current one."""
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[0].cancel()
+        for _ in range(self.count):
+            self.jobs.put(None)
 
 
 def block_runs(remote: tuple[int, ...], local: tuple[int, ...]) -> list[tuple[int, int, int]]:

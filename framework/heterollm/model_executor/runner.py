@@ -22,6 +22,7 @@ from heterollm.model_executor.linear_method import (model_bytes, prepare_linears
                                                      select_linear_method, unpack_for_reload)
 from heterollm.model_executor.checkpoint_slice import ReadStats
 from heterollm.model_executor.layers import CacheLayout, cache_layout
+from heterollm.model_executor.kv_moves import KVMoves
 from heterollm.model_executor.layerwise import LayerwiseLoad, WaitingCaches
 from heterollm.model_executor.mm_encoder import MultiModalRunner
 from heterollm.model_executor.loader import ModelSource, iter_weights
@@ -203,12 +204,14 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.kv_connectors: dict[str, KVConnector] = {}
+        """The KV connectors this launch selected, by name: "host" (--host_blocks_factor / --swap_space),
+        "mooncake_store" (--enable_kvcache_store), "mooncake_transfer" (PD)."""
+        self.kv_moves = KVMoves(self.kv_connectors, self.pctx, self.device)
+        """PD: the pulls and pushes started and not yet over on every rank."""
         self.layer_batches = self.config.kv_cache_store.layers_wise_copy_batchs
         """--layers_wise_copy_batchs: a layer-wise connector's loads go in this many groups of layers."""
         self._loads: list[LayerwiseLoad] = []
         """The step's loads still copying (model_executor/layerwise.py)."""
-        """The KV connectors this launch selected, by name: "host" (--host_blocks_factor / --swap_space),
-        "mooncake_store" (--enable_kvcache_store)."""
         self.generators: dict[str, torch.Generator] = {}
         self.pooler = Pooler(lambda hidden: self.model.compute_logits(hidden))
         """Embedding and scoring requests: pooled from the final hidden states instead of sampled."""
@@ -366,10 +369,8 @@ class ModelRunner:
     def kv_connector_info(self) -> dict[str, dict[str, object]]:
         return {name: conn.info() for name, conn in self.kv_connectors.items()}
 
-    def _apply_kv_transfers(self, so: SchedulerOutput) -> dict[str, str] | None:
-        """Run the step's block moves. A request whose blocks failed to arrive on any rank is reported
-        by every rank alike (the ranks agree through one all-reduce over the step's pulls)."""
-        failed: dict[str, str] = {}
+    def _apply_kv_transfers(self, so: SchedulerOutput) -> None:
+        """Run the step's block moves; start its pulls (`self.kv_moves` follows them until they end)."""
         for name, transfers in so.kv_transfers.items():
             conn = self.kv_connectors[name]
             if transfers.load and conn.layerwise and not transfers.pulls and not transfers.data:
@@ -377,30 +378,19 @@ class ModelRunner:
                     conn.save(transfers.save)
                 self._loads.append(LayerwiseLoad(conn, transfers.load, len(self.kv_caches), self.layer_batches))
                 continue
-            failed.update(conn.apply(transfers))
-        pulls = [p.request_id for t in so.kv_transfers.values() for p in t.pulls]
-        return self._agree(pulls, failed, "pull its share of the KV blocks") or None
+            failed = conn.apply(transfers)
+            pulls = [p.request_id for p in transfers.pulls]
+            if pulls or failed:  # a failure of another request's blocks ends it too (the engine says why)
+                self.kv_moves.started(conn, pulls + [r for r in failed if r not in pulls], failed, "pull")
 
-    def _push_kv(self, so: SchedulerOutput, failed: dict[str, str] | None) -> dict[str, str] | None:
-        """After the forward: write the blocks it completed to the instances that reserved them (PD,
-        PUSH); the requests whose push failed join `failed` (every rank alike)."""
-        out = dict(failed or {})
-        pushed = []
+    def _push_kv(self, so: SchedulerOutput) -> None:
+        """After the forward: start writing the blocks it completed to the instances that reserved them
+        (PD, PUSH)."""
         for name, transfers in so.kv_transfers.items():
             if transfers.pushes:
-                out.update(self.kv_connectors[name].after_forward(transfers))
-                pushed += [p.request_id for p in transfers.pushes]
-        return self._agree(pushed, out, "push its share of the KV blocks") or None
-
-    def _agree(self, request_ids: list[str], failed: dict[str, str], what: str) -> dict[str, str]:
-        """Make every rank report the requests of `request_ids` that failed on any rank (one all-reduce)."""
-        if request_ids and self.pctx.tp_size > 1:
-            flags = torch.tensor([1.0 if r in failed else 0.0 for r in request_ids], device=self.device)
-            flags = self.pctx.communicator.all_reduce(flags)
-            for r, f in zip(request_ids, flags.tolist()):
-                if f > 0 and r not in failed:
-                    failed[r] = f"another tensor-parallel rank could not {what}"
-        return failed
+                conn = self.kv_connectors[name]
+                failed = conn.after_forward(transfers)
+                self.kv_moves.started(conn, [p.request_id for p in transfers.pushes], failed, "push")
 
     def initialize_cache(self, num_blocks: int, host_blocks: int = 0) -> None:
         """Allocate the caches, then capture the decode graphs (`--enable_graph`), all of them now,
@@ -493,18 +483,23 @@ class ModelRunner:
             self.mm.forget(so.finished_request_ids)
         try:
             t_kv = time.perf_counter()
-            kv_failed = self._apply_kv_transfers(so) if so.kv_transfers is not None else None
+            if so.kv_transfers is not None:
+                self._apply_kv_transfers(so)
             kv_s = {"kv_transfer": time.perf_counter() - t_kv} if so.kv_transfers is not None else {}
-            return self._execute(so, kv_failed, kv_s)
+            out = self._execute(so, kv_s)
         finally:
             loads, self._loads = self._loads, []
             for load in loads:  # a step that ended early (nothing of this rank's to run) still lands them
                 load.join()
+            if so.kv_transfers is not None:  # a step that failed before a move started: it fails
+                self.kv_moves.not_started(so.kv_transfers)
+        out.kv_done = self.kv_moves.poll()  # every rank, every step: the ranks agree on which moves ended
+        return out
 
-    def _execute(self, so: SchedulerOutput, kv_failed: dict[str, str] | None, kv_s: dict[str, float]) -> RunnerOutput:
+    def _execute(self, so: SchedulerOutput, kv_s: dict[str, float]) -> RunnerOutput:
         reqs = so.requests
         if not reqs:
-            return RunnerOutput([], [], [], [], kv_failed=kv_failed, timings=kv_s)
+            return RunnerOutput([], [], [], [], timings=kv_s)
         if self.pctx.dp_size > 1:
             reqs = self._own_requests(reqs)
             if not reqs:  # the experts' all_to_all needs every rank: run a token on the scratch block
@@ -541,7 +536,7 @@ class ModelRunner:
         t3 = time.perf_counter()
         if so.kv_transfers is not None and any(t.pushes for t in so.kv_transfers.values()):
             t_push = time.perf_counter()
-            kv_failed = self._push_kv(so, kv_failed)
+            self._push_kv(so)
             kv_s["kv_push"] = time.perf_counter() - t_push
         drafts = None
         if self.drafter is not None:
@@ -556,7 +551,7 @@ class ModelRunner:
             timings={"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2, **kv_s,
                      **({"draft": t4 - t3} if self.drafter is not None else {}),
                      **({"comm": self.pctx.communicator.seconds - comm0} if comm0 is not None else {})},
-            expert_load=expert_load, kv_failed=kv_failed)
+            expert_load=expert_load)
 
     def _own_requests(self, reqs: list[ScheduledRequest]) -> list[ScheduledRequest]:
         """Attention DP: the step's requests whose blocks are this rank's (the engine's KV manager keeps a

@@ -16,6 +16,8 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    """PD, DECODE: admitted, its blocks allocated, its prompt's K/V being pulled from a prefill instance."""
     FINISHED = "finished"
 
 
@@ -86,8 +88,9 @@ class Request:
     held_blocks: list[int] | None = None
     """The blocks kept for it once it finished (kv_hold)."""
     kv_pull: Any = None
-    """PD, on a DECODE instance: (the prefill instance's ranks, its block ids) to pull the prompt's K/V
-    from when admitted; its first output token came with them. None once pulled."""
+    """PD, on a DECODE instance: (the prefill instance's ranks, its block ids, when its hold on them
+    ends: time.time()) to pull the prompt's K/V from when admitted; its first output token came with
+    them. None once the pull started."""
     kv_push: Any = None
     """PD PUSH, on a PREFILL instance: (the decode instance's ranks, its reserved block ids, how many
     leading blocks it already had) to write the prompt's K/V into right after the forward that
@@ -99,6 +102,10 @@ class Request:
     instance filled with the prompt's K/V; admitted without computing the prompt."""
     pd_first_token: bool = False
     """The first output token came from the prefill instance and is not yet reported."""
+    kv_abandoned: bool = False
+    """PD: nobody waits for this request's K/V move any more (aborted, or answered with an error once
+    the peer's hold ran out); its blocks come back when the move ends, and the engine need not step
+    for it."""
     error: str | None = None
     """Why the request ended with finish_reason "error" (a KV pull that failed)."""
 

@@ -47,6 +47,8 @@ class _Step:
     """(tokens, cached context) of each request taken, for the step-time model."""
     copy_budget: int | None = None
     """--enable_control_h2d_block_num: host-tier blocks the step may still copy back (None: any)."""
+    pulling_charged: bool = False
+    """PD: the sequence slots of the requests waiting for their pull are taken off `seqs` already."""
 
 
 class Scheduler:
@@ -89,6 +91,11 @@ class Scheduler:
         prefix cache held). The blocks are `kv.tables[reservation id]` until a request claims them."""
         self._pushes: list[KVPush] = []
         """PD PUSH, PREFILL: pushes of the requests whose prompt this step completes."""
+        self.transferring: dict[str, Request] = {}
+        """PD: requests whose K/V is moving (pulled in by a DECODE instance, pushed out by a PREFILL
+        one) -> the request. A pulling request waits here (WAITING_FOR_REMOTE_KV) and runs once its
+        pull ended; a moving request's blocks are freed only after its move ended, even if the
+        request ended (or was aborted) first."""
         self.num_preemptions = 0
         self.num_deadline_missed = 0
         """Requests that waited past their TTFT deadline before being admitted (reported once each)."""
@@ -107,7 +114,8 @@ class Scheduler:
         if len(self.waiting) + len(self.deferred) >= self.config.request_queue_size:
             raise RequestRejected("request", f"the request queue is full (request_queue_size="
                                              f"{self.config.request_queue_size}); retry later", status=429)
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self.transferring \
+                or request.request_id in self.held:  # an ended request's blocks still named by its id
             raise RequestRejected("request_id", f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         if request.grammar is not None and not request.grammar.ready:
@@ -116,7 +124,12 @@ class Scheduler:
             self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.deferred)
+        return bool(self.waiting or self.running or self.deferred or self.moving())
+
+    def moving(self) -> bool:
+        """PD: whether a move somebody waits for is under way (an abandoned one's blocks come back at
+        whichever step sees it end)."""
+        return any(not r.kv_abandoned for r in self.transferring.values())
 
     def _release_deferred(self) -> None:
         """Requests whose grammar has compiled join the waiting queue, in arrival order."""
@@ -140,7 +153,7 @@ class Scheduler:
         if request.kv_hold and request.finish_reason in ("stop", "length") and self.kv.tables.get(request_id):
             request.held_blocks = list(self.kv.tables[request_id])  # freed by release_held, or at expiry
             self.held[request_id] = self.clock() + HOLD_TIMEOUT_S
-        else:
+        elif request_id not in self.transferring:  # else freed when its move ended (update)
             self.kv.free(request_id)
         self._finished_since_last.append(request_id)
 
@@ -258,6 +271,9 @@ class Scheduler:
         footprint = sum(min(len(self.kv.tables.get(r.request_id, ())), lim.footprint(r.num_prompt_tokens, bs))
                         for r in self.running) if lim.splits_cache else 0
         partial, long_partial = self._partial_prefills(step)
+        if not step.pulling_charged:  # pulling requests run once their K/V is in: their slots are taken
+            step.seqs -= sum(r.status is RequestStatus.WAITING_FOR_REMOTE_KV for r in self.transferring.values())
+            step.pulling_charged = True
         i = 0
         blocked = False
         while i < len(self.waiting) and step.budget > 0 and step.seqs > 0:
@@ -315,8 +331,9 @@ class Scheduler:
 
     def _admit_pulled(self, step: _Step, request: Request) -> bool:
         """PD, DECODE: a request whose prompt K/V is on a prefill instance. Blocks for the prompt and
-        its first token (already sampled there) are allocated; the prompt's blocks this cache does not
-        hold are pulled before this step's forward, which decodes the first token."""
+        its first token (already sampled there) are allocated. PUSH: they hold the prompt's K/V
+        already, and this step decodes the first token. PULL: the prompt's blocks this cache does not
+        hold are pulled, starting with this step; the request waits for them (`transferring`)."""
         prompt = request.num_prompt_tokens
         if request.kv_reserved:  # PUSH: the reservation's blocks hold the prompt's K/V already
             room = self._room(request, 1, prompt)
@@ -325,7 +342,7 @@ class Scheduler:
             cached = 0
             request.kv_reserved = False
         else:
-            peers, remote_blocks = request.kv_pull
+            peers, remote_blocks, expires_at = request.kv_pull
             cached = self._match_prefix(request) if request.num_computed_tokens == 0 else 0
             cached = min(cached, (prompt - 1) // self.kv.block_size * self.kv.block_size)
             if self.kv.allocate(request.request_id, prompt + 1 + self._room(request, 1, prompt)) is None:
@@ -333,8 +350,15 @@ class Scheduler:
             table = self.kv.tables[request.request_id]
             first, last = cached // self.kv.block_size, self.kv.blocks_for(prompt)
             self._pulls.append(KVPull(request.request_id, peers, tuple(remote_blocks[first:last]),
-                                      tuple(table[first:last])))
+                                      tuple(table[first:last]), expires_at))
             request.kv_pull = None
+            request.num_computed_tokens = prompt
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = cached
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+            self.transferring[request.request_id] = request
+            step.seqs -= 1
+            return True
         request.num_computed_tokens = prompt
         if request.num_cached_tokens is None:
             request.num_cached_tokens = cached
@@ -393,12 +417,15 @@ class Scheduler:
             while self.kv.allocate(request.request_id, request.num_computed_tokens + num_new
                                    + self._room(request, num_new)) is None:
                 others = (r for r in self.running if r.request_id not in step.scheduled and r is not request
+                          and r.request_id not in self.transferring
                           and self.kv.same_pool(request.request_id, r.request_id))
                 victim = self.policy.victim(others, worse_than=None if self.policy.fcfs else request)
+                if victim is None and request.request_id in self.transferring:
+                    break  # its blocks are being pushed out: it waits for room, it is not preempted
                 self._preempt(victim or request)
                 if victim is None:
                     break
-            if request.status is RequestStatus.RUNNING:
+            else:
                 self._take(step, request, num_new, request.num_computed_tokens, drafts)
 
     def _drafts(self, request: Request, step: _Step) -> list[int]:
@@ -445,7 +472,8 @@ class Scheduler:
             room = len(self.running) < self.config.max_seqs_per_batch
             if room and self._waiting_fits(head):
                 break
-            victim = self.policy.victim(self.running, worse_than=head)
+            victim = self.policy.victim([r for r in self.running if r.request_id not in self.transferring],
+                                        worse_than=head)
             if victim is None:
                 break
             logger.debug("preempting %s (priority %d) for %s (priority %d)", victim.request_id, victim.priority,
@@ -548,7 +576,7 @@ class Scheduler:
         finished, self._finished_since_last = self._finished_since_last, []
         # the host tier's copies go with a step that runs (an empty one may be skipped): they come
         # from this step's allocations, and any earlier ones wait for it
-        transfers = self.kv.take_transfers() if items else None
+        transfers = self.kv.take_transfers() if items or self._pulls else None  # saves before a pull overwrites
         if self._pulls or self._pushes:
             transfers = {**(transfers or {}), "mooncake_transfer": KVTransfers(pulls=self._pulls,
                                                                                pushes=self._pushes)}
@@ -563,7 +591,29 @@ class Scheduler:
         table = self.kv.tables[r.request_id]
         self._pushes.append(KVPush(r.request_id, peers, tuple(table[skip:last]), tuple(remote_blocks[skip:last]),
                                    expires_at))
+        self.transferring[r.request_id] = r
         r.kv_push = None
+
+    def unstarted(self, output: SchedulerOutput) -> None:
+        """A scheduled step that will not run (the step before it failed): its moves never start, so
+        nothing touches their blocks; the requests are aborted next."""
+        moves = (output.kv_transfers or {}).get("mooncake_transfer")
+        for move in (moves.pulls + moves.pushes) if moves is not None else ():
+            self.transferring.pop(move.request_id, None)
+
+    def _moved(self, done: dict[str, str | None]) -> None:
+        """PD: moves that ended on every rank. A request that ended meanwhile (a PREFILL instance's,
+        whose push was its last act, or an aborted one) gives its blocks back now; a pulled one runs
+        (it decodes its first token next step). One whose pull failed is ended by the engine."""
+        for request_id, why in done.items():
+            r = self.transferring.pop(request_id, None)
+            if r is None:
+                continue
+            if r.status is RequestStatus.FINISHED:
+                self.kv.free(request_id)
+            elif why is None and r.status is RequestStatus.WAITING_FOR_REMOTE_KV:
+                r.status = RequestStatus.RUNNING
+                self.running.append(r)
 
     @staticmethod
     def _have(r: Request) -> int:
@@ -585,14 +635,10 @@ class Scheduler:
                                                     result.prompt_logprobs)))
         pooled = dict(zip(result.request_ids, result.pooled or ()))
         changed = []
-        failed = result.kv_failed or {}
+        self._moved(result.kv_done or {})
         for item in output.requests:
             r = self.requests.get(item.request_id)
             if r is None:
-                continue
-            if item.request_id in failed:  # its K/V never arrived: the engine ends it with the reason
-                r.num_pending -= item.sample
-                r.pd_first_token = False
                 continue
             r.num_pending -= item.sample
             tokens, lps, plps = sampled.get(item.request_id, ([], None, None))

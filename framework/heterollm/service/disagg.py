@@ -180,10 +180,10 @@ class PDFlow:
         replica = reservation.get("reservation_replica")
         prefill = await self._prefill(path, body, headers, model, set(), reservation)
         if isinstance(prefill, Response):
-            if not getattr(prefill, "p_may_still_run", False):  # P answered: it writes nothing more
-                # (else D's reservation expires instead: P never writes past its deadline)
+            failed_push = prefill.status_code == 502 and is_transfer_failure(bytes(prefill.body))
+            if not _p_may_still_write(prefill, failed_push):
                 self.release(_Held(d, {"remote_request_id": reservation.get("reservation_id")}, headers))
-            if prefill.status_code == 502 and is_transfer_failure(bytes(prefill.body)):
+            if failed_push:
                 return _Failed(prefill)
             return prefill
         params = {**prefill.params, "reservation_replica": replica}
@@ -334,6 +334,16 @@ class PDFlow:
         except httpx.HTTPError as exc:
             logger.warning("release of %s on %s failed (%s); it frees the blocks after its hold timeout",
                            request_id, p.name, type(exc).__name__)
+
+
+def _p_may_still_write(prefill: Response, failed_push: bool) -> bool:
+    """Whether P's error answer leaves a push of P's possibly still writing into D's reservation: then
+    the reservation is left to expire (P never starts a write near its end) rather than freed now. P
+    wrote nothing more when it refused the request (4xx, 503) or its push ended failing; a timeout, a
+    broken connection or an engine failure (500) may leave a write under way."""
+    if getattr(prefill, "p_may_still_run", False):
+        return True
+    return prefill.status_code >= 500 and prefill.status_code != 503 and not failed_push
 
 
 def _may_still_run(response: Response) -> Response:

@@ -95,6 +95,9 @@ _GAUGES = {  # name: (help, LLMEngine.stats key or a function of the stats)
                                           "host_tier_cached_blocks"),
     "heterollm_kv_reservations": ("PD PUSH, DECODE: block reservations waiting for a prefill instance's K/V.",
                                   "kv_reservations"),
+    "heterollm_kv_moving_requests": ("PD: requests whose K/V is moving now (pulled in by a DECODE instance, pushed "
+                                     "out by a PREFILL one); their blocks stay taken until the move ended.",
+                                     "kv_moving"),
     "heterollm_spec_decode_acceptance_rate": ("Speculative decoding: accepted drafts / verified drafts since start "
                                               "(0 when off or before the first draft).", "spec_acceptance_rate"),
     "heterollm_spec_decode_mean_accepted_length": ("Speculative decoding: tokens a verification emits on average "
@@ -113,10 +116,12 @@ _COUNTERS = {
     "heterollm_kv_store_put_blocks": ("Blocks handed to the ranks to put in the KV cache store.", "store_put_blocks"),
     "heterollm_kv_store_fetched_blocks": ("Blocks fetched from the KV cache store.", "store_fetched_blocks"),
     "heterollm_kv_pull_blocks": ("PD, DECODE: KV blocks pulled from prefill instances.", "kv_pull_blocks"),
-    "heterollm_kv_pull_seconds": ("PD, DECODE: seconds the steps spent pulling KV blocks.", "kv_pull_seconds"),
+    "heterollm_kv_pull_seconds": ("PD, DECODE: seconds the pulls took, summed over requests (each from the step "
+                                  "that started it to the step that saw it end).", "kv_pull_seconds"),
     "heterollm_kv_push_blocks": ("PD PUSH, PREFILL: KV blocks written into decode instances' reservations.",
                                  "kv_push_blocks"),
-    "heterollm_kv_push_seconds": ("PD PUSH, PREFILL: seconds the steps spent pushing KV blocks.", "kv_push_seconds"),
+    "heterollm_kv_push_seconds": ("PD PUSH, PREFILL: seconds the pushes took, summed over requests (each from the "
+                                  "step that started it to the step that saw it end).", "kv_push_seconds"),
     "heterollm_spec_decode_num_drafts": ("Speculative decoding: verifications (a sequence's step with drafts).",
                                          "spec_num_drafts"),
     "heterollm_spec_decode_num_draft_tokens": ("Speculative decoding: draft tokens verified.",
