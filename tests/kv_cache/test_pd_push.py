@@ -198,6 +198,102 @@ def test_a_step_that_fails_before_its_push_leaves_no_request_waiting_for_it(prom
     assert d.release_kv(res["reservation_id"])
 
 
+def test_pushing_caches_hand_each_group_over_once_the_forward_is_past_it():
+    """Reading layer l means the layers before l wrote their K/V: a group is handed over when the forward
+    reads the first layer after it, never before; the last group is left to after_forward. Built over
+    a WaitingCaches (host-tier loads), it waits for nothing at construction and reads through it."""
+    import torch
+
+    from heterollm.model_executor.layerwise import PushingCaches, WaitingCaches, layer_groups
+
+    class Load:
+        waits: list[int] = []
+        joined = False
+
+        def wait(self, layer):
+            self.waits.append(layer)
+
+        def join(self):
+            self.joined = True
+
+    caches, load, reading, handed = [torch.full((1,), float(i)) for i in range(5)], Load(), [], []
+    pushing = PushingCaches(WaitingCaches(caches, [load]), layer_groups(5, 2),
+                            lambda layers: handed.append((layers, reading[-1])))
+    assert not load.joined and len(pushing) == 5
+    for layer in range(5):
+        reading.append(layer)
+        assert pushing[layer] is caches[layer]
+    assert handed == [(range(0, 3), 3)] and load.waits == [0, 1, 2, 3, 4]
+    assert pushing[1] is caches[1] and handed == [(range(0, 3), 3)], "a layer read again hands nothing twice"
+
+
+def test_a_push_goes_layer_by_layer_beside_the_forward(tiny, prompts, push_instances, monkeypatch):
+    """The tiny model's two layers in two groups: layer 0's blocks are handed over while the forward runs
+    (when it reads layer 1), layer 1's after it; the decode instance gets the same tokens as one
+    instance."""
+    from heterollm import LLM, SamplingParams
+
+    ref = LLM(str(tiny), **COMMON)
+    want = ref.generate([prompts[3]], greedy())[0].outputs[0].token_ids
+    ref.shutdown()
+    p, d = push_instances
+    conn = p.executor.runner.kv_connectors["mooncake_transfer"]
+    events, moved = [], []
+    push_layers, after_forward, move = conn.push_layers, conn.after_forward, conn._move
+
+    def handed(pushes, layers):
+        events.append(("during", layers))
+        push_layers(pushes, layers)
+
+    def after(transfers):
+        events.append(("after", None) if transfers.pushes else ("after-nothing", None))
+        return after_forward(transfers)
+
+    def moving(m, push, layers):
+        moved.append(layers)
+        return move(m, push, layers)
+
+    monkeypatch.setattr(conn, "push_layers", handed)
+    monkeypatch.setattr(conn, "after_forward", after)
+    monkeypatch.setattr(conn, "_move", moving)
+    d.scheduler.kv.reset_prefix_cache()
+    res = d.reserve_kv(prompts[3])
+    p.add_request(prompts[3], SamplingParams(max_tokens=1, temperature=0), kv_transfer_params=res)
+    kv = drain(p)[-1].kv_transfer_params
+    assert events == [("during", range(0, 1)), ("after", None)]
+    assert sorted(moved, key=lambda r: r.start) == [range(0, 1), range(1, 2)]
+    d.add_request(prompts[3], greedy(), kv_transfer_params=kv)
+    assert drain(d)[-1].outputs[0].token_ids == want
+
+
+def test_a_step_that_fails_after_handing_a_layer_over_ends_its_push(prompts, push_instances, monkeypatch):
+    """The forward fails after layer 0's blocks were handed over: the push is failed, P's blocks come back
+    once that layer's transfer ended, and the connector forgets the move."""
+    from heterollm import SamplingParams
+
+    p, d = push_instances
+    free_p = p.kv.num_free_blocks
+    conn = p.executor.runner.kv_connectors["mooncake_transfer"]
+    push_layers = conn.push_layers
+
+    def then_fail(pushes, layers):
+        push_layers(pushes, layers)
+        raise RuntimeError("the device fell over at layer 1")
+
+    monkeypatch.setattr(conn, "push_layers", then_fail)
+    res = d.reserve_kv(prompts[3])
+    p.add_request(prompts[3], SamplingParams(max_tokens=1, temperature=0), request_id="broken",
+                  kv_transfer_params=res)
+    with pytest.raises(RuntimeError, match="layer 1"):
+        p.step()
+    monkeypatch.setattr(conn, "push_layers", push_layers)
+    assert list(conn.moving) == ["broken"] and not conn.moving["broken"].sealed
+    p.abort("broken")
+    idle_until_moves_end(p, 10)
+    assert p.kv.num_free_blocks == free_p and not conn.moving
+    assert d.release_kv(res["reservation_id"])
+
+
 def test_an_unclaimed_reservation_is_freed_and_cannot_be_claimed_after(prompts, push_instances, monkeypatch):
     import heterollm.scheduler.scheduler as sched
 

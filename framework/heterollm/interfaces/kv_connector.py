@@ -141,6 +141,17 @@ class KVConnector(Component):
         group at a time; the forward reads a layer only after its group returned)."""
         raise NotImplementedError(f"{type(self).__name__} loads every layer at once")
 
+    push_groups = 0
+    """Layer-wise pushes: when > 0, a step whose forward completes prompts to push (an eager one: not a
+    graph replay) hands each of that many groups of consecutive layers to `push_layers` as soon as the
+    forward is past them, their K/V written (model_executor/layerwise.py, `PushingCaches`);
+    `after_forward` then pushes the layers not handed over yet. 0: `after_forward` pushes every layer."""
+
+    def push_layers(self, pushes: list[KVPush], layers: range) -> None:
+        """Start pushing these layers' blocks of each push (called on the forward's thread, right after
+        the last of them ran: a device connector records an event on the compute stream here)."""
+        raise NotImplementedError(f"{type(self).__name__} pushes every layer after the forward")
+
     def after_forward(self, transfers: KVTransfers) -> dict[str, str]:
         """Start (or run) the step's moves that need its forward's K/V (`transfers.pushes`), after the
         forward. Returns request id -> why for the pushes that failed at once, as `apply` does."""

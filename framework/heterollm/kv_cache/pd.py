@@ -24,10 +24,11 @@ PUSH (the PREFILL instance writes; xLLM's default):
    are shared; the rest are allocated and wait, held by the reservation (`Scheduler.reserved`), for
    the prefill instance's K/V, or for HOLD_TIMEOUT_S. The answer's `kv_transfer_params` name its
    ranks, the reservation and the blocks to write.
-2. The PREFILL instance runs the prompt with those params; right after the forward that completes
-   the prompt, each rank starts writing its share of the blocks into the reserved ones on its
-   transfer threads (head by head, to the decode ranks that hold those heads; --kv_push_dst_rotate
-   starts each rank at a different one), and the engine steps on. Its answer (the first token, the
+2. The PREFILL instance runs the prompt with those params; in the forward that completes the prompt,
+   each rank starts writing its share of the blocks into the reserved ones on its transfer threads,
+   PUSH_GROUPS groups of layers each as soon as the forward is past them, the last after it (head by
+   head, to the decode ranks that hold those heads; --kv_push_dst_rotate starts each rank at a
+   different one), and the engine steps on. Its answer (the first token, the
    reservation), sent once the writes ended on every rank, is the signal that the K/V is in place;
    the request's blocks are kept until then. A push that failed is a 502 kv_transfer_failed, and the
    reservation expires.
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass, field
 import time
 import queue
 import threading
@@ -71,6 +73,9 @@ def move_margin() -> float:
     except ValueError:
         timeout = 30
     return timeout + 5.0
+PUSH_GROUPS = 4
+"""PUSH: a prompt's layers go in this many groups of consecutive layers, each pushed while the forward
+computes the next ones (the last after the forward)."""
 TRANSFER_THREADS = 4
 """Moves a rank runs at once (each its own request's, all its peer ranks one after another): a peer that
 does not answer holds one thread until the transport's timeout, the others go on."""
@@ -163,8 +168,8 @@ class MooncakeTransferConnector(KVConnector):
                 raise ConfigError("--instance_role: the transfer engine could not register the KV cache's memory")
         self.addr = f"{host}:{self.engine.get_rpc_port()}"
         self.threads = _DaemonThreads(TRANSFER_THREADS, f"heterollm-kv-transfer-{self.rank}")
-        self.moving: dict[str, tuple[str, Future]] = {}
-        """request id -> ("pull" / "push", its move running on the transfer threads)."""
+        self.moving: dict[str, _Moving] = {}
+        """request id -> its move, running on the transfer threads."""
         logger.info("KV transfer: rank %d listens on %s", self.rank, self.addr)
 
     def info(self) -> dict[str, Any]:
@@ -188,44 +193,64 @@ class MooncakeTransferConnector(KVConnector):
         self._start(transfers.pushes, "push")
         return {}
 
+    push_groups = PUSH_GROUPS
+
+    def push_layers(self, pushes: list[KVPush], layers: range) -> None:
+        entries = [self.moving.setdefault(move.request_id, _Moving("push")) for move in pushes]  # all known first
+        for move, entry in zip(pushes, entries):
+            entry.futures.append(self.threads.submit(self._move, move, True, layers))
+            entry.layers = layers.stop
+
     def _start(self, moves: list[KVPull] | list[KVPush], kind: str) -> None:
         """Each move runs on the transfer threads (Mooncake's calls release the GIL) while the engine
-        steps on: a slow or dead peer holds up only its own requests, for the transport's timeout."""
+        steps on: a slow or dead peer holds up only its own requests, for the transport's timeout. A
+        push's layers not handed over during the forward (`push_layers`) go now."""
         for move in moves:
-            self.moving[move.request_id] = (kind, self.threads.submit(self._move, move, kind == "push"))
+            entry = self.moving.setdefault(move.request_id, _Moving(kind))
+            if entry.layers < len(self.caches):
+                entry.futures.append(self.threads.submit(self._move, move, kind == "push",
+                                                         range(entry.layers, len(self.caches))))
+            entry.sealed = True
 
     def poll(self) -> dict[str, str | None]:
+        """(Called after a step's forward and after_forward: a move not sealed then is one whose step
+        failed part way, with some of its layers handed over; it ends as failed once those did.)"""
         ended = {}
-        for rid, (kind, future) in list(self.moving.items()):
-            if not future.done():
+        for rid, entry in list(self.moving.items()):
+            if not all(future.done() for future in entry.futures):
                 continue
             del self.moving[rid]
-            try:
-                why = future.result()
-            except Exception as exc:  # a bug or a transport error the move did not name; or cancelled
-                why = f"{type(exc).__name__}: {exc}"
+            why = None if entry.sealed else "the step failed before every layer was handed over"
+            for future in entry.futures if why is None else ():  # the first group's failure, in layer order
+                try:
+                    why = future.result()
+                except Exception as exc:  # a bug or a transport error the move did not name; or cancelled
+                    why = f"{type(exc).__name__}: {exc}"
+                if why is not None:
+                    break
             if why is not None:
-                logger.warning("KV %s for %s failed: %s", kind, rid, why)
+                logger.warning("KV %s for %s failed: %s", entry.kind, rid, why)
             ended[rid] = why
         return ended
 
-    def _move(self, move: KVPull | KVPush, push: bool) -> str | None:
-        """Check the peer's hold, then move (it must end within the hold, else what moved is not trusted)."""
+    def _move(self, move: KVPull | KVPush, push: bool, layers: range) -> str | None:
+        """Check the peer's hold, then move these layers' blocks (the move must end within the hold, else
+        what moved is not trusted)."""
         hold = "the decode instance's reservation" if push else "the prefill instance's hold on the blocks"
         if time.time() > move.expires_at - move_margin():
             return (f"{hold} runs out in less than {move_margin():.0f} s (held {HOLD_TIMEOUT_S:.0f} s): its "
                     f"blocks may be another request's before the transfer ends, nothing is " +
                     ("written" if push else "read"))
-        why = self._copy(move, push)
+        why = self._copy(move, push, layers)
         if why is None and time.time() > move.expires_at:
             return (f"the transfer ended after {hold} ran out: " +
                     ("the decode instance may have given the blocks to another request" if push else
                      "the prefill instance may have given the blocks to another request; what was read is dropped"))
         return why
 
-    def _copy(self, move: KVPull | KVPush, push: bool) -> str | None:
-        """Copy the move's blocks between this rank's cache and the peer ranks that hold the same KV
-        heads: read them (a pull) or write them (a push), one batch per peer rank."""
+    def _copy(self, move: KVPull | KVPush, push: bool, layers: range) -> str | None:
+        """Copy the move's blocks of these layers between this rank's cache and the peer ranks that hold
+        the same KV heads: read them (a pull) or write them (a push), one batch per peer rank."""
         mine = self.caches[0]
         _, heads, blocks, bs, dim = mine.shape
         elt = mine.element_size()
@@ -240,8 +265,8 @@ class MooncakeTransferConnector(KVConnector):
         chunk = bs * dim * elt
         spans = block_runs(move.remote_blocks, move.local_blocks)
         by_peer: dict[int, tuple[list[int], list[int], list[int]]] = {}
-        for layer, cache in enumerate(self.caches):
-            base = cache.data_ptr()
+        for layer in layers:
+            base = self.caches[layer].data_ptr()
             for kv in range(2):
                 for j in range(heads):
                     g = self.rank * heads + j  # the global KV head
@@ -273,7 +298,7 @@ class MooncakeTransferConnector(KVConnector):
         if getattr(self, "threads", None) is not None:
             self.threads.shutdown()  # the moves not started are cancelled; running ones are not waited for
             self.threads = None
-        if any(not future.done() for _, future in getattr(self, "moving", {}).values()):
+        if any(not f.done() for entry in getattr(self, "moving", {}).values() for f in entry.futures):
             logger.warning("KV transfer: rank %d closes with transfers still running (a peer that does not "
                            "answer); its cache stays registered until the process ends", self.rank)
             self.caches = []
@@ -284,6 +309,18 @@ class MooncakeTransferConnector(KVConnector):
                 except Exception:
                     pass
         self.caches = []
+
+
+@dataclass
+class _Moving:
+    """A request's move on this rank: one transfer per group of layers handed over so far."""
+
+    kind: str
+    futures: list[Future] = field(default_factory=list)
+    layers: int = 0
+    """The layers handed over so far (0 ..)."""
+    sealed: bool = False
+    """Every layer is handed over (after the forward): the move ends when its transfers have."""
 
 
 class _DaemonThreads:

@@ -34,14 +34,18 @@ class KVMoves:
         for rid in request_ids:
             self.state[rid] = [kind, failed[rid] if rid in failed else (_MOVING if conn.asynchronous else None)]
 
-    def not_started(self, transfers: dict[str, KVTransfers]) -> None:
+    def not_started(self, transfers: dict[str, KVTransfers], handed: set[str]) -> None:
         """After a step: its pulls and pushes that never started (the step failed first) end as failed,
-        reported by the next poll (their requests wait for that to free their blocks)."""
-        for moves in transfers.values():
+        reported by the next poll (their requests wait for that to free their blocks); the pushes of
+        the connectors in `handed`, which got some of their layers before the step failed, are moving
+        until those connectors report them (failed)."""
+        for name, moves in transfers.items():
             for kind, started in (("pull", moves.pulls), ("push", moves.pushes)):
                 for move in started:
                     if move.request_id not in self.state:
-                        self.state[move.request_id] = [kind, "the step failed before this move started"]
+                        partly = kind == "push" and name in handed
+                        self.state[move.request_id] = [kind, _MOVING if partly else
+                                                       "the step failed before this move started"]
 
     def poll(self) -> dict[str, str | None] | None:
         """The moves that ended on every rank since the last call: request id -> None, or why it failed."""

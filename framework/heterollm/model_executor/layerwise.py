@@ -3,12 +3,15 @@ the forward reads them) split into N groups of consecutive layers. The first gro
 the forward starts; a thread copies the others while it runs, and a layer's attention waits for its
 group only when it gets there (`WaitingCaches`, the step's `ForwardContext.kv_caches`). On a device
 backend the thread's copies overlap the first layers' compute; 0 or 1 copies every layer first.
+
+PD PUSH goes the other way (`PushingCaches`): a group of layers is pushed as soon as the forward is
+past it, while the forward computes the next ones.
 """
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -79,6 +82,29 @@ class LayerwiseLoad:
             self._thread.join()
         if self.error is not None:
             raise RuntimeError(f"copying the host KV tier's blocks back failed: {self.error}") from self.error
+
+
+class PushingCaches(list):
+    """The per-layer caches as a forward that completes prompts to push reads them: when it reads layer
+    l, every layer before l has written this step's K/V, so each group of layers it is past is handed
+    to `ready` then (the layers after the last group handed over are pushed after the forward).
+    `caches` may be a `WaitingCaches`: reading goes through it."""
+
+    def __init__(self, caches: list[torch.Tensor], groups: list[range], ready: Callable[[range], None]) -> None:
+        super().__init__(list.__getitem__(caches, slice(None)))  # no iteration: a WaitingCaches would wait
+        self.inner, self.groups, self.ready = caches, groups, ready
+        self.next = 0
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, int):
+            layer = index % len(self)
+            while self.next < len(self.groups) and self.groups[self.next].stop <= layer:
+                self.next += 1  # counted first: a hand-over that raised part way may have started
+                self.ready(self.groups[self.next - 1])
+        return self.inner[index]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self.inner)
 
 
 class WaitingCaches(list):

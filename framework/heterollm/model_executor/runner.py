@@ -23,7 +23,7 @@ from heterollm.model_executor.linear_method import (model_bytes, prepare_linears
 from heterollm.model_executor.checkpoint_slice import ReadStats
 from heterollm.model_executor.layers import CacheLayout, cache_layout
 from heterollm.model_executor.kv_moves import KVMoves
-from heterollm.model_executor.layerwise import LayerwiseLoad, WaitingCaches
+from heterollm.model_executor.layerwise import LayerwiseLoad, PushingCaches, WaitingCaches, layer_groups
 from heterollm.model_executor.mm_encoder import MultiModalRunner
 from heterollm.model_executor.loader import ModelSource, iter_weights
 from heterollm.model_executor.moe import FusedMoE, prepare_experts
@@ -212,6 +212,8 @@ class ModelRunner:
         """--layers_wise_copy_batchs: a layer-wise connector's loads go in this many groups of layers."""
         self._loads: list[LayerwiseLoad] = []
         """The step's loads still copying (model_executor/layerwise.py)."""
+        self._handed: dict[str, PushingCaches] = {}
+        """The step's layer-wise pushes, by connector (how many groups each handed over so far)."""
         self.generators: dict[str, torch.Generator] = {}
         self.pooler = Pooler(lambda hidden: self.model.compute_logits(hidden))
         """Embedding and scoring requests: pooled from the final hidden states instead of sampled."""
@@ -383,6 +385,17 @@ class ModelRunner:
             if pulls or failed:  # a failure of another request's blocks ends it too (the engine says why)
                 self.kv_moves.started(conn, pulls + [r for r in failed if r not in pulls], failed, "pull")
 
+    def _push_layerwise(self, so: SchedulerOutput, inputs: StepInputs) -> None:
+        """PD PUSH, an eager forward: a connector that pushes layer by layer (`push_groups`) gets each
+        group of layers as soon as the forward is past it."""
+        for name, transfers in so.kv_transfers.items():
+            conn = self.kv_connectors[name]
+            if transfers.pushes and conn.push_groups > 0:
+                pushes = transfers.pushes
+                inputs.ctx.kv_caches = self._handed[name] = PushingCaches(
+                    inputs.ctx.kv_caches, layer_groups(len(self.kv_caches), conn.push_groups),
+                    lambda layers, c=conn, p=pushes: c.push_layers(p, layers))
+
     def _push_kv(self, so: SchedulerOutput) -> None:
         """After the forward: start writing the blocks it completed to the instances that reserved them
         (PD, PUSH)."""
@@ -491,8 +504,9 @@ class ModelRunner:
             loads, self._loads = self._loads, []
             for load in loads:  # a step that ended early (nothing of this rank's to run) still lands them
                 load.join()
+            handed, self._handed = self._handed, {}
             if so.kv_transfers is not None:  # a step that failed before a move started: it fails
-                self.kv_moves.not_started(so.kv_transfers)
+                self.kv_moves.not_started(so.kv_transfers, {name for name, c in handed.items() if c.next})
         out.kv_done = self.kv_moves.poll()  # every rank, every step: the ranks agree on which moves ended
         return out
 
@@ -516,6 +530,8 @@ class ModelRunner:
                     load.join()
             else:  # eager: layer l's attention waits for its group of the loads
                 inputs.ctx.kv_caches = WaitingCaches(self.kv_caches, self._loads)
+        if so.kv_transfers is not None and not inputs.ctx.metadata.decode_only:
+            self._push_layerwise(so, inputs)
         t1 = time.perf_counter()
         if inputs.inputs_embeds is not None or inputs.positions.dim() == 2:  # image tokens: never a graph
             hidden = self._forward(inputs)
