@@ -113,15 +113,16 @@ class LLMEngine:
         self.kv_pull_blocks = 0
         """PD, DECODE: blocks pulled from prefill instances so far."""
         self.kv_pull_seconds = 0.0
-        """Seconds the pulls took, from the step that started each to the step that saw it end."""
+        """Seconds the pulls took, from the start of the step that started each to the step that saw it
+        end."""
         self.kv_push_blocks = 0
         """PD PUSH, PREFILL: blocks written into decode instances' reservations so far."""
         self.kv_push_seconds = 0.0
-        """Seconds the pushes took, from the step whose forward completed the prompt to the step that
-        saw the writes end."""
+        """Seconds the answers waited for their pushes: from the end of the step whose forward completed
+        the prompt (its layers were pushed beside it) to the step that saw the writes end."""
         self._moves: dict[str, tuple[str, int, float, float]] = {}
-        """PD: request id -> ("pull" / "push", its blocks, when the step that starts it was scheduled, when
-        the peer's hold on the blocks ends: time.time())."""
+        """PD: request id -> ("pull" / "push", its blocks, when the step that starts it was scheduled (a
+        push: when that step ended), when the peer's hold on the blocks ends: time.time())."""
         self.engine_id = uuid.uuid4().hex
         """Names this engine to other instances (PD: remote_engine_id)."""
         self._pd_ranks: list[dict[str, Any]] | None = None
@@ -793,6 +794,13 @@ class LLMEngine:
     def _execute(self, so: SchedulerOutput) -> tuple[RunnerOutput, float]:
         t = time.perf_counter()
         result = self.executor.execute(so)
+        moves = so.kv_transfers.get("mooncake_transfer") if so.kv_transfers is not None else None
+        if moves is not None and moves.pushes:  # a push is timed from the end of its forward's step
+            done = time.monotonic()
+            for move in moves.pushes:
+                if move.request_id in self._moves:
+                    kind, blocks, _, expires_at = self._moves[move.request_id]
+                    self._moves[move.request_id] = (kind, blocks, done, expires_at)
         return result, time.perf_counter() - t
 
     def _step_overlapped(self) -> list[RequestOutput]:

@@ -120,8 +120,9 @@ _COUNTERS = {
                                   "that started it to the step that saw it end).", "kv_pull_seconds"),
     "heterollm_kv_push_blocks": ("PD PUSH, PREFILL: KV blocks written into decode instances' reservations.",
                                  "kv_push_blocks"),
-    "heterollm_kv_push_seconds": ("PD PUSH, PREFILL: seconds the pushes took, summed over requests (each from the "
-                                  "step that started it to the step that saw it end).", "kv_push_seconds"),
+    "heterollm_kv_push_seconds": ("PD PUSH, PREFILL: seconds the answers waited for their pushes, summed over "
+                                  "requests (each from the end of its prompt's last forward, beside which its "
+                                  "layers were pushed, to the step that saw the writes end).", "kv_push_seconds"),
     "heterollm_spec_decode_num_drafts": ("Speculative decoding: verifications (a sequence's step with drafts).",
                                          "spec_num_drafts"),
     "heterollm_spec_decode_num_draft_tokens": ("Speculative decoding: draft tokens verified.",
