@@ -10,7 +10,9 @@ the cores (taskset), behind `heterollm route`, once per --modes: PUSH (the prefi
 into blocks the decode instance reserved) and PULL (the decode instance reads the prefill
 instance's blocks), over Mooncake's transfer engine, TCP on loopback. Reports TTFT and TPOT
 p50 / p99 per class, and the transfer time per block from the moving side's /metrics
-(heterollm_kv_push_* on the PREFILL instance, heterollm_kv_pull_* on the DECODE one).
+(heterollm_kv_push_* on the PREFILL instance: what its answers waited for the writes after the
+forwards, the layers pushed beside them; heterollm_kv_pull_* on the DECODE one: from the step that
+started each pull to the step that saw it end).
 """
 from __future__ import annotations
 
@@ -161,7 +163,9 @@ def main() -> None:
                          **serving.summarize(kind, by[kind], wall)})
         per_block[mode] = 1000 * seconds / blocks if blocks else float("nan")
         who = "PREFILL instance pushed" if mode == "PUSH" else "DECODE instance pulled"
-        notes.append(f"{mode}: the {who} {blocks:.0f} blocks in {seconds:.2f} s of its steps = "
+        waited = ("the answers waited for the writes after the forwards (layers went beside them)"
+                  if mode == "PUSH" else "from the start of the step that started each pull to the step that saw it end")
+        notes.append(f"{mode}: the {who} {blocks:.0f} blocks, {seconds:.2f} s summed over requests ({waited}) = "
                      f"{per_block[mode]:.2f} ms per block (a block: --block_size tokens, 128 by default, x every "
                      f"layer's K and V; Mooncake's transfer engine over TCP on loopback)")
     notes.append(f"load: {args.long} prompts of {args.long_len} tokens writing {args.long_out}, {args.short} of "

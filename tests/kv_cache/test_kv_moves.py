@@ -22,7 +22,7 @@ class Conn(KVConnector):
     def validate(cls, config):
         return []
 
-    def poll(self):
+    def poll(self, wait_for=()):
         out, self.ended = self.ended, {}
         return out
 

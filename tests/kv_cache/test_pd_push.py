@@ -220,10 +220,11 @@ def test_pushing_caches_hand_each_group_over_once_the_forward_is_past_it():
     pushing = PushingCaches(WaitingCaches(caches, [load]), layer_groups(5, 2),
                             lambda layers: handed.append((layers, reading[-1])))
     assert not load.joined and len(pushing) == 5
+    assert pushing[-1] is caches[4] and handed == [], "the last layer read from the end says nothing"
     for layer in range(5):
         reading.append(layer)
         assert pushing[layer] is caches[layer]
-    assert handed == [(range(0, 3), 3)] and load.waits == [0, 1, 2, 3, 4]
+    assert handed == [(range(0, 3), 3)] and load.waits == [4, 0, 1, 2, 3, 4]
     assert pushing[1] is caches[1] and handed == [(range(0, 3), 3)], "a layer read again hands nothing twice"
 
 

@@ -23,7 +23,7 @@ from heterollm.scheduler.request import Request, RequestRejected, RequestStatus
 from heterollm.engine.memory_budget import KVPlan, KVSizing, mib, plan_kv_cache, plan_warnings
 from heterollm.engine import reservations
 from heterollm.engine.step_profiler import StepProfiler
-from heterollm.interfaces import RunnerOutput, SchedulerOutput
+from heterollm.interfaces import ExecutorDead, RunnerOutput, SchedulerOutput
 from heterollm.kv_cache import DataParallelKVCacheManager, KVCacheManager
 from heterollm.kv_cache.events import make_kv_event_publisher
 from heterollm.kv_cache.host_tier import host_available_bytes, host_slots_for, host_tier_flag
@@ -701,9 +701,15 @@ class LLMEngine:
         if check is not None:
             check()
         if self.scheduler.transferring and not self.has_unfinished():
-            so = self.scheduler.schedule()  # nothing to run: a step that only polls the moves
-            result, _ = self._execute(so)
-            self._process(so, result, self._update(so, result))
+            try:
+                so = self.scheduler.schedule()  # nothing to run: a step that only polls the moves
+                result, run_s = self._execute(so)
+                self._process(so, result, self._update(so, result))
+                self._after_step(so, result, 0.0, time.perf_counter(), run_s)
+            except ExecutorDead:
+                raise
+            except Exception:  # the moves are looked at again at the next check
+                logger.exception("polling the KV moves nobody waits for failed")
 
     def stats(self) -> dict[str, Any]:
         """The engine's gauges and counters, by name (what /metrics exports per replica; an engine-core
@@ -795,8 +801,8 @@ class LLMEngine:
         t = time.perf_counter()
         result = self.executor.execute(so)
         moves = so.kv_transfers.get("mooncake_transfer") if so.kv_transfers is not None else None
-        if moves is not None and moves.pushes:  # a push is timed from the end of its forward's step
-            done = time.monotonic()
+        if moves is not None and moves.pushes:  # a push is timed from the end of its forward
+            done = time.monotonic() - result.timings.get("kv_push", 0.0)
             for move in moves.pushes:
                 if move.request_id in self._moves:
                     kind, blocks, _, expires_at = self._moves[move.request_id]
@@ -819,6 +825,9 @@ class LLMEngine:
                 result, run_s = future.result()
             except BaseException:
                 self.scheduler.unstarted(so)
+                moves = so.kv_transfers.get("mooncake_transfer") if so.kv_transfers is not None else None
+                for move in (moves.pulls + moves.pushes) if moves is not None else ():
+                    self._moves.pop(move.request_id, None)
                 raise
             changed = self._update(prev_so, result)
         self.scheduler.resolve()
@@ -867,8 +876,8 @@ class LLMEngine:
         or polls the moves under way (every rank; briefly paced, as nothing else is computed)."""
         if so.kv_transfers:
             return True
-        if self.scheduler.moving():
-            time.sleep(MOVE_POLL_S)
+        if self.scheduler.moving() or (self.scheduler.transferring and self.scheduler.waiting):
+            time.sleep(MOVE_POLL_S)  # (a waiting request may need the blocks an abandoned move still holds)
             return True
         return False
 

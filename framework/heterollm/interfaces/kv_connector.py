@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass, field
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from heterollm.interfaces.component import Component
@@ -157,9 +158,11 @@ class KVConnector(Component):
         forward. Returns request id -> why for the pushes that failed at once, as `apply` does."""
         return {}
 
-    def poll(self) -> dict[str, str | None]:
+    def poll(self, wait_for: Collection[str] = ()) -> dict[str, str | None]:
         """An asynchronous connector's pulls and pushes that ended since the last poll: request id ->
-        None when its blocks arrived, or why not. Called once per step on every rank; the engine keeps
+        None when its blocks arrived, or why not. `wait_for` names the pushes this step started: the
+        connector may wait briefly for them to end (else the engine sees them end only at the next
+        step, which may be a long prefill later). Called once per step on every rank; the engine keeps
         the blocks of a moving request (even one aborted meanwhile) until its move ended on every rank."""
         return {}
 

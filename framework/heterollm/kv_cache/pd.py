@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 import time
 import queue
 import threading
-from concurrent.futures import Future
+from collections.abc import Collection
+from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -76,6 +77,10 @@ def move_margin() -> float:
 PUSH_GROUPS = 4
 """PUSH: a prompt's layers go in this many groups of consecutive layers, each pushed while the forward
 computes the next ones (the last after the forward)."""
+PUSH_WAIT_S = 0.25
+"""How long the step that pushed waits at its end for its pushes' last writes (the layers after the
+last group handed over): an answer whose push ended then goes out with this step, not after the next
+one (a long prefill, maybe). A push still running then is seen to end by a later step."""
 TRANSFER_THREADS = 4
 """Moves a rank runs at once (each its own request's, all its peer ranks one after another): a peer that
 does not answer holds one thread until the transport's timeout, the others go on."""
@@ -155,6 +160,8 @@ class MooncakeTransferConnector(KVConnector):
                               "pip install 'heterollm[kv]' (mooncake-transfer-engine-non-cuda)") from None
         config = launch.config
         self.caches = caches
+        if caches[0].device.type != "cpu":  # a device's kernels may not have run when the forward's
+            self.push_groups = 0  # Python is past a layer (no event recorded here): push after the step
         self.rank, self.tp = launch.rank, config.parallel.tp_size
         self.rotate = config.pd.kv_push_dst_rotate
         host = advertised_host(config.server.host)
@@ -212,9 +219,13 @@ class MooncakeTransferConnector(KVConnector):
                                                          range(entry.layers, len(self.caches))))
             entry.sealed = True
 
-    def poll(self) -> dict[str, str | None]:
-        """(Called after a step's forward and after_forward: a move not sealed then is one whose step
-        failed part way, with some of its layers handed over; it ends as failed once those did.)"""
+    def poll(self, wait_for: Collection[str] = ()) -> dict[str, str | None]:
+        """Waits up to PUSH_WAIT_S for the step's pushes first. (Called after a step's forward and
+        after_forward: a move not sealed then is one whose step failed part way, with some of its layers
+        handed over; it ends as failed once those did.)"""
+        waiting = [f for rid in wait_for if rid in self.moving for f in self.moving[rid].futures]
+        if waiting:
+            wait(waiting, timeout=PUSH_WAIT_S)
         ended = {}
         for rid, entry in list(self.moving.items()):
             if not all(future.done() for future in entry.futures):

@@ -8,6 +8,7 @@ nor written by any transfer), and failed when it failed on any.
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,13 +48,14 @@ class KVMoves:
                         self.state[move.request_id] = [kind, _MOVING if partly else
                                                        "the step failed before this move started"]
 
-    def poll(self) -> dict[str, str | None] | None:
-        """The moves that ended on every rank since the last call: request id -> None, or why it failed."""
+    def poll(self, wait_for: Collection[str] = ()) -> dict[str, str | None] | None:
+        """The moves that ended on every rank since the last call: request id -> None, or why it failed
+        (`wait_for`: the step's pushes, which a connector may wait for briefly)."""
         if not self.state:
             return None
         for conn in self.connectors.values():
             if conn.asynchronous:
-                for rid, why in conn.poll().items():
+                for rid, why in conn.poll(wait_for).items():
                     entry = self.state.get(rid)
                     if entry is not None and entry[1] is _MOVING:
                         entry[1] = why

@@ -96,8 +96,8 @@ class PushingCaches(list):
         self.next = 0
 
     def __getitem__(self, index):  # type: ignore[override]
-        if isinstance(index, int):
-            layer = index % len(self)
+        if isinstance(index, int) and index >= 0:  # (layer -1 says nothing of the layers before it)
+            layer = index
             while self.next < len(self.groups) and self.groups[self.next].stop <= layer:
                 self.next += 1  # counted first: a hand-over that raised part way may have started
                 self.ready(self.groups[self.next - 1])

@@ -212,6 +212,8 @@ class ModelRunner:
         """--layers_wise_copy_batchs: a layer-wise connector's loads go in this many groups of layers."""
         self._loads: list[LayerwiseLoad] = []
         """The step's loads still copying (model_executor/layerwise.py)."""
+        self._kv_failed: dict[str, str] = {}
+        """The step's requests whose blocks a connector's apply could not bring in (not a pull)."""
         self._handed: dict[str, PushingCaches] = {}
         """The step's layer-wise pushes, by connector (how many groups each handed over so far)."""
         self.generators: dict[str, torch.Generator] = {}
@@ -382,8 +384,10 @@ class ModelRunner:
                 continue
             failed = conn.apply(transfers)
             pulls = [p.request_id for p in transfers.pulls]
-            if pulls or failed:  # a failure of another request's blocks ends it too (the engine says why)
-                self.kv_moves.started(conn, pulls + [r for r in failed if r not in pulls], failed, "pull")
+            if pulls:
+                self.kv_moves.started(conn, pulls, failed, "pull")
+            # a failure of another request's blocks ends it too (rank 0's word, as the engine reads it)
+            self._kv_failed.update({r: why for r, why in failed.items() if r not in pulls})
 
     def _push_layerwise(self, so: SchedulerOutput, inputs: StepInputs) -> None:
         """PD PUSH, an eager forward: a connector that pushes layer by layer (`push_groups`) gets each
@@ -507,7 +511,14 @@ class ModelRunner:
             handed, self._handed = self._handed, {}
             if so.kv_transfers is not None:  # a step that failed before a move started: it fails
                 self.kv_moves.not_started(so.kv_transfers, {name for name, c in handed.items() if c.next})
-        out.kv_done = self.kv_moves.poll()  # every rank, every step: the ranks agree on which moves ended
+        pushed = [p.request_id for t in (so.kv_transfers or {}).values() for p in t.pushes]
+        # every rank, every step: the ranks agree on which moves ended (a step's own pushes waited for)
+        t_wait = time.perf_counter()
+        out.kv_done = self.kv_moves.poll(pushed)
+        if self._kv_failed:
+            out.kv_done, self._kv_failed = {**(out.kv_done or {}), **self._kv_failed}, {}
+        if pushed:  # what the pushes held the step up after its forward, their waited-for tail included
+            out.timings["kv_push"] = out.timings.get("kv_push", 0.0) + time.perf_counter() - t_wait
         return out
 
     def _execute(self, so: SchedulerOutput, kv_s: dict[str, float]) -> RunnerOutput:

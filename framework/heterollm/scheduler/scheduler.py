@@ -469,7 +469,8 @@ class Scheduler:
         """Preempt running requests of a strictly worse priority until the head fits (slots, blocks)."""
         preempted = False
         while not head.num_pending:
-            room = len(self.running) < self.config.max_seqs_per_batch
+            pulling = sum(r.status is RequestStatus.WAITING_FOR_REMOTE_KV for r in self.transferring.values())
+            room = len(self.running) + pulling < self.config.max_seqs_per_batch
             if room and self._waiting_fits(head):
                 break
             victim = self.policy.victim([r for r in self.running if r.request_id not in self.transferring],
