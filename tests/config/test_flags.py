@@ -109,6 +109,7 @@ def test_dump_then_reload_round_trip(tmp_path):
     assert all(reloaded.sources[k] in ("json", "default") for k in expected)
 
 
+@pytest.mark.slow  # 7 s: a CLI subprocess (the JSON layer itself is tested in the default run)
 def test_cli_dump_flag_writes_default_file(cli, tmp_path):
     r = cli("config", "--model", "m", "--block_size", "32", "--enable_dump_config_json", cwd=tmp_path)
     assert r.rc == 0, r.err

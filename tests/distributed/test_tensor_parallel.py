@@ -62,6 +62,7 @@ def test_random_seed_makes_sampled_text_repeatable_across_ranks(tmp_path):
     assert runs[0] == runs[1]
 
 
+@SLOW  # 7 s: the flag checks' own refusals of TP sizes stay in the default run
 def test_a_shape_that_cannot_split_names_itself(tmp_path):
     folder = build_tiny_model(tmp_path / "llama", "llama")  # 4 heads, 2 KV heads
     with pytest.raises(ConfigError, match="num_attention_heads=4 is not divisible by tp_size=3"):

@@ -164,7 +164,7 @@ def silent_peer(seconds=30.0):
         s.close()
 
 
-@pytest.mark.parametrize("abort", [False, True])
+@pytest.mark.parametrize("abort", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_silent_peer_holds_up_only_its_own_request(prompts, instances, abort):
     """The pull runs on the transfer threads: while the prefill instance does not answer, the decode
     instance serves its other requests to the end, and the waiting request keeps its blocks (an abort
@@ -226,6 +226,7 @@ def test_pulling_requests_take_their_sequence_slots(prompts, instances, monkeypa
         assert p.release_kv(kv["remote_request_id"])
 
 
+@pytest.mark.slow  # 8 s: a third instance, with a host tier
 def test_a_pull_into_blocks_the_host_tier_saves_from_waits_for_the_save(tiny, prompts, instances):
     """A DECODE instance with a host tier: admitting a pull evicts cached blocks, whose copies to the
     host are due before anything writes into them. In a step that runs nothing but the pull, the saves

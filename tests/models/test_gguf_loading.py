@@ -49,6 +49,7 @@ def test_metadata_cache_round_trip(tmp_path, monkeypatch):
             == fresh_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
 
 
+@pytest.mark.slow  # 9 s: converts the real GGUF again (every SmolLM2 test of the default run goes through the cache)
 def test_unwritable_cache_is_skipped(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")

@@ -128,6 +128,7 @@ def test_pytorch_bin_files_are_memory_mapped(tmp_path):
     assert_same_parameters(legacy, state)
 
 
+@pytest.mark.slow  # 9 s: a whole launch to reach the loader's refusal
 def test_an_unknown_loader_is_named():
     with pytest.raises(ConfigError, match="--load_choices=fast: expected one of default, default_v1"):
         next(iter_weights(resolve_model("smollm2"), "fast"))
