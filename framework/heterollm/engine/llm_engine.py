@@ -43,6 +43,7 @@ from heterollm.pooling.task import build_setup
 from heterollm.sampling import SamplingParams, StructuredOutputsParams
 from heterollm.sampling.structured import GrammarState, StructuredOutputManager
 from heterollm.scheduler import Scheduler
+from heterollm.scheduler.scheduler import pd_moves
 from heterollm.spec_decode import check_spec_support, make_proposer, resolve_spec
 from heterollm.spec_decode.stats import SpecStats
 from heterollm.engine.latency_profile import latency_targets, profile_step_time, profile_token_budget, warm_up
@@ -800,7 +801,7 @@ class LLMEngine:
     def _execute(self, so: SchedulerOutput) -> tuple[RunnerOutput, float]:
         t = time.perf_counter()
         result = self.executor.execute(so)
-        moves = so.kv_transfers.get("mooncake_transfer") if so.kv_transfers is not None else None
+        moves = pd_moves(so)
         if moves is not None and moves.pushes:  # a push is timed from the end of its forward
             done = time.monotonic() - result.timings.get("kv_push", 0.0)
             for move in moves.pushes:
@@ -824,10 +825,8 @@ class LLMEngine:
             try:
                 result, run_s = future.result()
             except BaseException:
-                self.scheduler.unstarted(so)
-                moves = so.kv_transfers.get("mooncake_transfer") if so.kv_transfers is not None else None
-                for move in (moves.pulls + moves.pushes) if moves is not None else ():
-                    self._moves.pop(move.request_id, None)
+                for request_id in self.scheduler.unstarted(so):
+                    self._moves.pop(request_id, None)
                 raise
             changed = self._update(prev_so, result)
         self.scheduler.resolve()
@@ -842,7 +841,7 @@ class LLMEngine:
         return outputs
 
     def _note_moves(self, so: SchedulerOutput) -> None:
-        moves = so.kv_transfers.get("mooncake_transfer") if so.kv_transfers is not None else None
+        moves = pd_moves(so)
         if moves is not None:
             now = time.monotonic()
             for kind, started in (("pull", moves.pulls), ("push", moves.pushes)):

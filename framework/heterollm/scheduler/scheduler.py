@@ -272,7 +272,7 @@ class Scheduler:
                         for r in self.running) if lim.splits_cache else 0
         partial, long_partial = self._partial_prefills(step)
         if not step.pulling_charged:  # pulling requests run once their K/V is in: their slots are taken
-            step.seqs -= sum(r.status is RequestStatus.WAITING_FOR_REMOTE_KV for r in self.transferring.values())
+            step.seqs -= self.num_pulling()
             step.pulling_charged = True
         i = 0
         blocked = False
@@ -469,8 +469,7 @@ class Scheduler:
         """Preempt running requests of a strictly worse priority until the head fits (slots, blocks)."""
         preempted = False
         while not head.num_pending:
-            pulling = sum(r.status is RequestStatus.WAITING_FOR_REMOTE_KV for r in self.transferring.values())
-            room = len(self.running) + pulling < self.config.max_seqs_per_batch
+            room = len(self.running) + self.num_pulling() < self.config.max_seqs_per_batch
             if room and self._waiting_fits(head):
                 break
             victim = self.policy.victim([r for r in self.running if r.request_id not in self.transferring],
@@ -595,12 +594,18 @@ class Scheduler:
         self.transferring[r.request_id] = r
         r.kv_push = None
 
-    def unstarted(self, output: SchedulerOutput) -> None:
+    def num_pulling(self) -> int:
+        """PD: requests waiting for their pull (they run once their K/V is in: their slots are taken)."""
+        return sum(r.status is RequestStatus.WAITING_FOR_REMOTE_KV for r in self.transferring.values())
+
+    def unstarted(self, output: SchedulerOutput) -> list[str]:
         """A scheduled step that will not run (the step before it failed): its moves never start, so
-        nothing touches their blocks; the requests are aborted next."""
-        moves = (output.kv_transfers or {}).get("mooncake_transfer")
-        for move in (moves.pulls + moves.pushes) if moves is not None else ():
-            self.transferring.pop(move.request_id, None)
+        nothing touches their blocks; the requests are aborted next. Returns their ids."""
+        moves = pd_moves(output)
+        ids = [m.request_id for m in (moves.pulls + moves.pushes)] if moves is not None else []
+        for request_id in ids:
+            self.transferring.pop(request_id, None)
+        return ids
 
     def _moved(self, done: dict[str, str | None]) -> None:
         """PD: moves that ended on every rank. A request that ended meanwhile (a PREFILL instance's,
@@ -677,6 +682,11 @@ class Scheduler:
             if item.num_spec_tokens and r.status is RequestStatus.RUNNING:
                 self.kv.trim(r.request_id, r.num_tokens + self.lookahead)  # the rejected drafts' slots
         return changed
+
+
+def pd_moves(output: SchedulerOutput) -> KVTransfers | None:
+    """A step's PD pulls and pushes (the "mooncake_transfer" connector's moves), None when none."""
+    return output.kv_transfers.get("mooncake_transfer") if output.kv_transfers is not None else None
 
 
 def in_place(parents: list[int] | None, accepted: list[int], drafts: list[int]) -> int:
