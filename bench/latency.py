@@ -36,7 +36,7 @@ import torch
 
 import common
 
-QUANT = {"bf16": None, "auto": None, "wint8": "wint8", "wint4": "wint4"}
+QUANT = {"bf16": None, "auto": None, "wint8": "wint8", "wint4": "wint4", "w8a8": "w8a8"}
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -180,7 +180,7 @@ def main() -> int:
     for c in configs:
         base, plus, graph = c.partition("+")
         if base not in QUANT or (plus and graph != "graph"):
-            ap.error(f"--configs: unknown {c!r} (bf16, wint8, wint4, each optionally +graph)")
+            ap.error(f"--configs: unknown {c!r} (bf16, wint8, wint4, w8a8, each optionally +graph)")
     for p in peers:
         if p not in ("transformers", "llamacpp", "vllm"):
             ap.error(f"--peers: unknown {p!r} (transformers, llamacpp, vllm)")

@@ -5,6 +5,7 @@ same prompts, same run, one table.
     python bench/throughput.py --peers vllm          # + vLLM's CPU build (bench/peers.sh vllm)
     python bench/throughput.py --peers vllm,llamacpp --json results.json
     python bench/throughput.py --num-requests 16 --dtype float32 --skip-hf
+    python bench/throughput.py --configs bf16,w8a8,bf16+graph --skip-hf   # heterollm rows to run
 
 --dtype auto (the default) is what `heterollm generate/serve` picks: bf16 on a CPU that supports
 it, else float32. transformers runs in the same resolved dtype, on the same weights unpacked into a
@@ -34,12 +35,18 @@ import torch
 import common
 
 
-def run_heterollm(args: argparse.Namespace, graph: bool) -> tuple[dict, list[list[int]], torch.dtype, object]:
-    """One heterollm row: load (timed, including the graph warm-up), a warm-up request, the timed run."""
+QUANT = {"bf16": None, "wint8": "wint8", "wint4": "wint4", "w8a8": "w8a8"}
+
+
+def run_heterollm(args: argparse.Namespace, config: str) -> tuple[dict, list[list[int]], torch.dtype, object]:
+    """One heterollm row (`bf16`, `w8a8+graph`, ...): load (timed, including the graph warm-up), a warm-up
+    request, the timed run."""
     from heterollm import LLM, SamplingParams
 
+    base, _, graph = config.partition("+")
+    flags = {"quantization": QUANT[base]} if QUANT[base] else {}
     t = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, enable_graph=graph)
+    llm = LLM(args.model, dtype=args.dtype, enable_graph=bool(graph), **flags)
     load_s = time.perf_counter() - t
     vocab = llm.engine.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -53,9 +60,10 @@ def run_heterollm(args: argparse.Namespace, graph: bool) -> tuple[dict, list[lis
     ttfts = [o.metrics.ttft for o in outs if o.metrics.ttft is not None]
     tpots = [o.metrics.tpot for o in outs if o.metrics.tpot is not None]
     dtype, src = llm.engine.dtype, llm.engine.source
-    label = "heterollm --enable_graph" if graph else "heterollm"
+    label = "heterollm" + (f" {QUANT[base]}" if QUANT[base] else "") + (" --enable_graph" if graph else "")
     print(f"{label:<13} {generated} tokens in {ours_s:7.2f}s = {generated / ours_s:8.1f} output tok/s", flush=True)
-    row = {"engine": label, "weights": str(dtype).removeprefix("torch."), "out_tok_s": generated / ours_s,
+    weights = str(dtype).removeprefix("torch.") + (f" {QUANT[base]}" if QUANT[base] else "")
+    row = {"engine": label, "weights": weights, "out_tok_s": generated / ours_s,
            "time_s": ours_s, "tokens": generated, "ttft_ms": 1000 * statistics.fmean(ttfts) if ttfts else None,
            "tpot_ms": 1000 * statistics.fmean(tpots) if tpots else None, "load_s": load_s}
     llm.shutdown()
@@ -77,6 +85,9 @@ def main() -> int:
                     help="comma list of more engines: vllm, llamacpp (transformers runs unless --skip-hf)")
     ap.add_argument("--vllm-enforce-eager", action="store_true",
                     help="vLLM without torch.compile (~30 s start instead of ~110 s, slower): smoke tests only")
+    ap.add_argument("--configs", default="bf16",
+                    help="heterollm rows, comma-separated: bf16, wint8, wint4, w8a8 (--quantization), each "
+                         "optionally +graph (--enable_graph); the first is the x column's reference")
     ap.add_argument("--graph", action="store_true",
                     help="a second heterollm row with --enable_graph (decode steps through torch.compile)")
     ap.add_argument("--json", help="also write the results to this file")
@@ -87,9 +98,19 @@ def main() -> int:
             ap.error(f"--peers: unknown {p!r} (vllm, llamacpp)")
     peers = [p for p in peers if p != "transformers"]  # transformers: the default row, unless --skip-hf
 
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if args.graph and "bf16+graph" not in configs:
+        configs.append("bf16+graph")
+    for c in configs:
+        base, plus, graph = c.partition("+")
+        if base not in QUANT or (plus and graph != "graph"):
+            ap.error(f"--configs: unknown {c!r} (bf16, wint8, wint4, w8a8, each optionally +graph)")
+    if not configs:
+        ap.error("--configs: at least one heterollm row is needed")
+
     rows, prompts, dtype, src = [], None, None, None
-    for graph in (False, True) if args.graph else (False,):
-        row, prompts, dtype, src = run_heterollm(args, graph)
+    for c in configs:
+        row, prompts, dtype, src = run_heterollm(args, c)
         rows.append(row)
     dname = str(dtype).removeprefix("torch.")
     ours_s, generated = rows[0]["time_s"], rows[0]["tokens"]

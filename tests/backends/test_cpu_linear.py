@@ -1,5 +1,5 @@
-"""CPU linear methods (`linear.none` prepacked, `linear.wint8`, `linear.wint4`) against F.linear,
-the op-registry fallback that selects them, and their errors."""
+"""CPU linear methods (`linear.none` prepacked, `linear.wint8`, `linear.wint4`, `linear.w8a8`) against
+F.linear, the op-registry fallback that selects them, and their errors."""
 import logging
 
 import pytest
@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from heterollm.model_executor import ops
 from heterollm.model_executor.linear_method import model_bytes, prepare_linears, select_linear_method
-from heterollm_cpu.linear import OneDnnLinear, WeightOnlyInt4, WeightOnlyInt8
+from heterollm_cpu import kernels
+from heterollm_cpu.linear import DynamicInt8, OneDnnLinear, WeightOnlyInt4, WeightOnlyInt8, w8a8_reference
 
 
 def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -36,6 +37,79 @@ def test_wint8_error_is_int8_sized(dtype):
     assert codes.dtype == torch.int8 and codes.abs().max() <= 127
     err = _rel_err(method.apply((codes, scale), x, None), F.linear(x.float(), w.float()))
     assert 1e-4 < err < 0.02  # quantized (not a pass-through) and within int8 error
+
+
+def _w8a8_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """|y - x @ w.T| for W8A8 with round-to-nearest codes, worked out by hand: with x = sx (qx + ex),
+    w = sw (qw + ew), |ex|, |ew| <= 1/2, the product's error per term is
+    |x| sw/2 + |w| sx/2 + sx sw/4, summed over K (sx = max|x row| / 127, sw = max|w row| / 127)."""
+    x, w = x.double(), w.double()
+    sx = x.abs().amax(-1, keepdim=True) / 127  # (M, 1)
+    sw = w.abs().amax(-1) / 127  # (N)
+    return sw / 2 * x.abs().sum(-1, keepdim=True) + sx / 2 * w.abs().sum(-1) + sx * sw / 4 * x.shape[-1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_error_within_its_quantization_bound(dtype):
+    """W8A8 against the float64 product: inside the hand-derived bound everywhere (plus the output's
+    rounding to bf16), and quantized (not a pass-through of the float weights or activations)."""
+    torch.manual_seed(0)
+    w, x = torch.randn(80, 96, dtype=dtype), torch.randn(6, 96, dtype=dtype)
+    x[2] *= 50  # rows of very different ranges: each row its own scale
+    x[3, 7] = 40  # an outlier widens its own row's scale only
+    method = DynamicInt8()
+    codes, scale = method.prepare(w)
+    assert codes.dtype == torch.int8 and codes.abs().max() == 127 and scale.dtype == torch.float32
+    y = method.apply((codes, scale), x, None)
+    exact = F.linear(x.double(), w.double())
+    rounding = exact.abs() * (2 ** -8 if dtype == torch.bfloat16 else 1e-6)
+    assert ((y.double() - exact).abs() <= _w8a8_bound(x, w) + rounding + 1e-6).all()
+    assert _rel_err(y, exact.float()) > 1e-4
+
+
+@pytest.mark.skipif(not kernels.available(), reason="CPU kernels not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 64, 48), (7, 100, 37), (2, 3, 96, 40)])
+def test_w8a8_kernel_is_its_torch_reference(dtype, shape):
+    """The C++ op computes linear.py's torch path operation for operation: the same bits without a
+    bias, at most one ulp with one (an FMA); rows of zeros and leading dimensions included."""
+    torch.manual_seed(1)
+    *lead, k, n = shape
+    x, w, b = torch.randn(*lead, k, dtype=dtype), torch.randn(n, k, dtype=dtype), torch.randn(n, dtype=dtype)
+    x.view(-1, k)[0] = 0
+    codes, scale = DynamicInt8().prepare(w)
+    y = torch.ops.heterollm_cpu.w8a8_linear(x, codes, scale, None)
+    assert y.shape == (*lead, n) and y.dtype == dtype
+    assert torch.equal(y, w8a8_reference(x, codes, scale, None))
+    assert (y.view(-1, n)[0] == 0).all()
+    yb, rb = torch.ops.heterollm_cpu.w8a8_linear(x, codes, scale, b), w8a8_reference(x, codes, scale, b)
+    # the fused product-and-sum rounds once where torch rounds twice: one unit in the last place of
+    # the larger of the two terms (the sum may have cancelled), then the output's own rounding
+    ulp = (rb.abs().float() + b.abs().float()) * (2 ** -7 if dtype == torch.bfloat16 else 2 ** -23)
+    assert ((yb.float() - rb.float()).abs() <= ulp).all()
+
+
+@pytest.mark.parametrize("path", ["method", "reference"])
+def test_w8a8_hand_worked_codes_and_scales(path):
+    """Codes and integer sums worked out by hand. Weights: w0 = [1, 0.5, -0.25, 0.3] has scale 1/127 and
+    codes [127, 64, -32, 38] (63.5 and -31.75 round to nearest); w1 = [0, 0, 1, -1] codes [0, 0, 127, -127].
+    Activations, each row its own scale: x0 = [127, 2.5, -0.5, 0] (scale 1) codes [127, 2, 0, 0] (2.5 and
+    -0.5 round half to even); x1 = [2, -1, 0.5, 0] (scale 2/127) codes [127, -64, 32, 0]; a row of zeros
+    gives zeros. Sums: x0.w0 = 127*127 + 2*64 = 16257, x0.w1 = 0, x1.w0 = 16129 - 4096 - 1024 = 11009,
+    x1.w1 = 32*127 = 4064; y = sum * x scale * w scale."""
+    w = torch.tensor([[1.0, 0.5, -0.25, 0.3], [0.0, 0.0, 1.0, -1.0]])
+    x = torch.tensor([[127.0, 2.5, -0.5, 0.0], [2.0, -1.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    codes, scale = DynamicInt8().prepare(w)
+    assert codes.tolist() == [[127, 64, -32, 38], [0, 0, 127, -127]]
+    y = DynamicInt8().apply((codes, scale), x, None) if path == "method" else w8a8_reference(x, codes, scale, None)
+    sums = torch.tensor([[16257, 0], [11009, 4064], [0, 0]], dtype=torch.float64)
+    expected = sums * torch.tensor([[1.0], [2 / 127], [1.0]], dtype=torch.float64) / 127
+    torch.testing.assert_close(y.double(), expected, rtol=1e-6, atol=0)
+
+
+def test_w8a8_takes_float_weights_only():
+    with pytest.raises(ValueError, match=r"--quantization=w8a8: takes float32 or bfloat16 weights, not torch.float16"):
+        DynamicInt8().prepare(torch.randn(16, 32, dtype=torch.float16))
 
 
 def test_wint4_reproduces_q4_1_weights_exactly():
@@ -90,7 +164,7 @@ def test_activation_falls_back_family_then_torch():
         with pytest.raises(ValueError, match=r"--quantization=wint8: not supported .*offers: none"):
             select_linear_method("wint8")
         ops.activate("cpu")
-        with pytest.raises(ValueError, match=r"--quantization=fp8: .*offers: wint4, wint8"):
+        with pytest.raises(ValueError, match=r"--quantization=fp8: .*offers: w8a8, wint4, wint8"):
             select_linear_method("fp8")
     finally:
         ops.activate("cpu")
@@ -124,11 +198,11 @@ def test_engine_rejects_unknown_quantization(tmp_path, cli):
     folder = build_tiny_model(tmp_path / "m", "llama")
     r = cli("generate", "--model", str(folder), "--prompt", "hi", "--quantization", "w4afp8", "--max_tokens", "2")
     assert r.rc == 2
-    assert "--quantization=w4afp8: not supported by the selected backend (it offers: wint4, wint8)" in r.err
+    assert "--quantization=w4afp8: not supported by the selected backend (it offers: w8a8, wint4, wint8)" in r.err
     assert "Traceback" not in r.err
 
 
-@pytest.mark.parametrize("quantization", ["wint8", "wint4"])
+@pytest.mark.parametrize("quantization", ["wint8", "wint4", "w8a8"])
 def test_quantized_tiny_model_tracks_unquantized(tmp_path, quantization, caplog):
     """A tiny model with quantized linears: per-token logprobs of the unquantized greedy
     continuation stay close (prompt logprobs compare the same positions for both)."""
@@ -144,4 +218,4 @@ def test_quantized_tiny_model_tracks_unquantized(tmp_path, quantization, caplog)
     assert f"linear method {quantization}" in caplog.text
     got = llm.generate([prompt], params)[0].prompt_logprobs[1:]
     drift = max(abs(a.logprob - b.logprob) for a, b in zip(ref, got))
-    assert 1e-5 < drift < (0.05 if quantization == "wint8" else 0.5)
+    assert 1e-5 < drift < {"wint8": 0.05, "w8a8": 0.1, "wint4": 0.5}[quantization]

@@ -98,9 +98,9 @@ def test_bf16_runs_and_mostly_agrees(moe_model):
         ref = hf_logprobs(folder, prompt)[-1]
         assert ref.max().item() - ref[out.outputs[0].token_ids[0]].item() < 0.05, name
 
-@pytest.mark.parametrize("flag", ["wint8", "wint4"])
+@pytest.mark.parametrize("flag", ["wint8", "wint4", "w8a8"])
 def test_quantization_covers_the_experts(moe_model, flag):
-    """--quantization wint8 / wint4 prepares every expert with the flag's linear method (no float copy
+    """--quantization wint8 / wint4 / w8a8 prepares every expert with the flag's linear method (no float copy
     left), the weights shrink accordingly, and greedy decoding stays near transformers' fp32 choice."""
     name, folder, expected = moe_model
     float_bytes = LLM(str(folder), dtype="float32", num_gpu_blocks_override=16).engine.executor.runner.weight_bytes
@@ -109,11 +109,11 @@ def test_quantization_covers_the_experts(moe_model, flag):
     experts = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
     assert experts and all(m.method.name == flag and m.w13.numel() == 0 and m.w2.numel() == 0 for m in experts)
     codes = experts[0].states13[0][0]
-    assert codes.dtype == (torch.int8 if flag == "wint8" else torch.uint8)
+    assert codes.dtype == (torch.uint8 if flag == "wint4" else torch.int8)
     float_experts = sum(4 * m.num_experts * 3 * m.inter * runner.model.config.hidden_size for m in experts)
     quantized_experts = sum(state_bytes(m.state) for m in experts)
-    # codes of 1 byte (wint8) or half a byte (wint4) per fp32 weight, plus scales; counted in weight_bytes
-    assert quantized_experts < float_experts * (0.3 if flag == "wint8" else 0.2)
+    # codes of 1 byte (wint8, w8a8) or half a byte (wint4) per fp32 weight, plus scales; counted in weight_bytes
+    assert quantized_experts < float_experts * (0.2 if flag == "wint4" else 0.3)
     assert runner.weight_bytes <= float_bytes - (float_experts - quantized_experts)
     outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outs):
