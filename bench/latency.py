@@ -75,6 +75,7 @@ def run_heterollm(model: str, config: str, dtype: str, prompt: list[int], warm: 
     forced = ref_tokens if ref_tokens is not None else list(lp.outputs[0].token_ids)
     tf = llm.generate(prompt + forced, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))[0]
     answer = llm.chat(chat, SamplingParams(max_tokens=32, temperature=0))[0]
+    row_bytes = bytes_per_token(llm)
     ctx = {"source": llm.engine.source, "tokenizer": llm.get_tokenizer(),
            "chat_ids": list(llm.engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True))}
     row = _timing_row(label, runs)
@@ -82,11 +83,45 @@ def run_heterollm(model: str, config: str, dtype: str, prompt: list[int], warm: 
                 "token_ids": list(lp.outputs[0].token_ids),
                 "logprobs": [t.logprob for t in (lp.outputs[0].logprobs or [])],
                 "forced_logprobs": [t.logprob for t in tf.prompt_logprobs[len(prompt):]],
-                "answer": answer.outputs[0].text, "config": config})
+                "answer": answer.outputs[0].text, "config": config, "bytes_per_token": row_bytes})
     llm.shutdown()
     del llm
     gc.collect()
     return row, ctx
+
+
+def bytes_per_token(llm) -> int:
+    """The weight bytes one decode step reads: every prepared weight (the runner's weight_bytes), less
+    the input embedding's table when the output projection has its own prepared copy (a tied
+    embedding keeps its float table for the lookup, which reads one row per token)."""
+    from heterollm.model_executor.layers import ParallelLMHead, VocabParallelEmbedding
+
+    runner = llm.engine.executor.runner
+    total = runner.weight_bytes
+    model = runner.model
+    heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)]
+    if heads and heads[0].method is not None:
+        for m in model.modules():
+            if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead):
+                total -= m.weight.numel() * m.weight.element_size()
+    return total
+
+
+def memory_bandwidth(mib: int = 512, repeats: int = 5) -> dict:
+    """This machine's memory bandwidth with torch's threads, best of `repeats`: `read` sums a
+    `mib` MiB fp32 buffer (the weights' traffic in decode: read only), `copy` copies it (read + write
+    counted)."""
+    a = torch.ones(mib * 2**20 // 4)
+    b = torch.empty_like(a)
+    best_read = best_copy = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a.sum()
+        best_read = min(best_read, time.perf_counter() - t)
+        t = time.perf_counter()
+        b.copy_(a)
+        best_copy = min(best_copy, time.perf_counter() - t)
+    return {"read_gb_s": a.nbytes / best_read / 1e9, "copy_gb_s": 2 * a.nbytes / best_copy / 1e9}
 
 
 def _timing_row(label: str, runs: list[dict]) -> dict:
@@ -246,11 +281,22 @@ def main() -> int:
                            f"{len(f)} tokens: max {common.fmt(r['forced_drift_max'], 4)} "
                            f"mean {common.fmt(r['forced_drift_mean'], 4)}")
 
+    # the memory-bandwidth bound of each heterollm row: weight bytes per token / the machine's read bandwidth
+    bw = memory_bandwidth()
+    for r in rows[:len(configs)]:
+        bound = bw["read_gb_s"] * 1e9 / r["bytes_per_token"]
+        r["bound_tok_s"], r["of_bound"] = bound, r["decode_tok_s"] / bound if r.get("decode_tok_s") else None
+        r["of_bound_s"] = f"{100 * r['of_bound']:.0f}% of {bound:.0f}" if r["of_bound"] else "-"
+
     machine = common.machine_info(torch.__version__)
     cols = [("engine", "engine", 0), ("weights", "weights", 0), ("decode_tok_s", "decode tok/s", 1),
             ("ttft_ms", "TTFT ms", 1), ("tpot_ms", "TPOT ms", 2), ("x", f"x {ref['engine']}/row", 2),
-            ("agree_s", "agree", 0), ("load_s", "load s", 1)]
-    notes = [f"batch 1, {args.prompt_len} random prompt tokens (seed {args.seed}) -> {args.output_len} tokens, greedy, "
+            ("agree_s", "agree", 0), ("of_bound_s", "bandwidth bound", 0), ("load_s", "load s", 1)]
+    per_token = ", ".join(f"{r['engine']} {r['bytes_per_token'] / 1e6:.0f} MB" for r in rows[:len(configs)])
+    notes = [f"bandwidth bound: the weight bytes a decode step reads ({per_token}) at this machine's read "
+             f"bandwidth ({bw['read_gb_s']:.1f} GB/s summing a 512 MiB buffer; copy {bw['copy_gb_s']:.1f} GB/s "
+             f"read + write), torch threads {torch.get_num_threads()}",
+             f"batch 1, {args.prompt_len} random prompt tokens (seed {args.seed}) -> {args.output_len} tokens, greedy, "
              f"EOS ignored; best of {args.repeats} runs after a warm-up; threads: torch {torch.get_num_threads()}",
              "agree: tokens equal to the reference row's from the start (llama.cpp computes on Q4_1 directly)"]
     pe = [r for r in rows if r.get("prompt_eval_tok_s")]
@@ -265,7 +311,7 @@ def main() -> int:
     if args.json:
         keep = ("engine", "weights", "decode_tok_s", "ttft_ms", "tpot_ms", "x", "agree", "load_s", "answer",
                 "prompt_eval_tok_s", "logprob_drift_max", "logprob_drift_mean", "forced_drift_max", "forced_drift_mean",
-                "runs", "command", "token_ids")
+                "runs", "command", "token_ids", "bytes_per_token", "bound_tok_s", "of_bound")
         common.write_json(args.json, {"args": vars(args), "command": common.command_line(), "machine": machine,
                                       "rows": [{k: r[k] for k in keep if k in r} for r in rows]})
     return 0

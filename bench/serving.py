@@ -186,6 +186,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat the load on the started server this many times, printing its RSS after each "
                          "(a soak test: RSS should level off, not grow)")
+    ap.add_argument("--duration", type=float, default=0,
+                    help="a soak by the clock: repeat the load until this many seconds have passed since the "
+                         "first round began (with --rounds, whichever ends later), RSS after each round")
     ap.add_argument("--json", help="also write the figures to this file")
     ap.add_argument("serve_flags", nargs="*", help="extra `heterollm serve` flags, after --")
     args = ap.parse_args()
@@ -219,10 +222,18 @@ def main() -> None:
             if proc is not None and tlabel == label:
                 memory["after"] = memory_of(proc.pid)
                 memory["rounds"] = [memory["after"].get("VmRSS", 0)]
-                for i in range(1, args.rounds):
-                    asyncio.run(run_load(turl, tname, prompts, args.output_len, args.concurrency, headers))
+                soak_start = time.monotonic() - wall
+                i = 1
+                while i < args.rounds or time.monotonic() - soak_start < args.duration:
+                    results, wall = asyncio.run(run_load(turl, tname, prompts, args.output_len, args.concurrency,
+                                                         headers))
+                    last = summarize(tlabel, results, wall)
                     memory["rounds"].append(memory_of(proc.pid).get("VmRSS", 0))
-                    print(f"round {i + 1}/{args.rounds}: server RSS {memory['rounds'][-1]:.0f} MiB", file=sys.stderr)
+                    i += 1
+                    print(f"round {i} ({time.monotonic() - soak_start:.0f} s): server RSS "
+                          f"{memory['rounds'][-1]:.0f} MiB, {last['output_tok_s']:.1f} out tok/s", file=sys.stderr)
+                    memory["last_round_out_tok_s"] = last["output_tok_s"]
+                memory["soak_s"] = time.monotonic() - soak_start
                 memory["after"] = memory_of(proc.pid)
     finally:
         if proc is not None:
@@ -247,6 +258,13 @@ def main() -> None:
         b, a = memory.get("before", {}), memory["after"]
         print(f"heterollm server memory (API server + engine cores): RSS {b.get('VmRSS', 0):.0f} MiB before the load, {a.get('VmRSS', 0):.0f} "
               f"MiB after; peak RSS {a.get('VmHWM', 0):.0f} MiB (weights and KV cache size: see the server log)")
+        rss = memory["rounds"]
+        if len(rss) > 1:
+            third = max(1, len(rss) // 3)
+            print(f"soak: {len(rss)} rounds in {memory['soak_s']:.0f} s; RSS after each round min {min(rss):.0f} / max "
+                  f"{max(rss):.0f} MiB; mean of the last third minus the first third's: "
+                  f"{sum(rss[-third:]) / third - sum(rss[:third]) / third:+.1f} MiB; last round "
+                  f"{memory['last_round_out_tok_s']:.1f} out tok/s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "machine": common.machine_info(), "results": report, "memory_mib": memory}, f, indent=2)
