@@ -141,7 +141,7 @@ def w8a8_reference(x: torch.Tensor, codes: torch.Tensor, w_scale: torch.Tensor,
     """`heterollm_cpu::w8a8_linear` in torch ops, operation for operation: per row of x, amax = max |x|,
     q = round(x * (127 / amax)) (half to even) in [-127, 127], s = amax * (1 / 127) (a zero row: q = 0,
     s = 1); y = (q @ codes.T) * (s * w_scale) (+ bias), in x's dtype. All in fp32, each operation as the
-    kernel does it: the same bits without a bias."""
+    kernel does it: the same codes and sums, the output within an ulp or two (the compiler's reordering)."""
     k = x.shape[-1]
     rows = x.reshape(-1, k).float()
     amax = rows.abs().amax(-1, keepdim=True)
