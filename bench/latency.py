@@ -93,7 +93,8 @@ def run_heterollm(model: str, config: str, dtype: str, prompt: list[int], warm: 
 def bytes_per_token(llm) -> int:
     """The weight bytes one decode step reads: every prepared weight (the runner's weight_bytes), less
     the input embedding's table when the output projection has its own prepared copy (a tied
-    embedding keeps its float table for the lookup, which reads one row per token)."""
+    embedding keeps its float table for the lookup, which reads one row per token). A dense model's
+    figure: a mixture of experts reads only its routed experts, so its bound would be set too low."""
     from heterollm.model_executor.layers import ParallelLMHead, VocabParallelEmbedding
 
     runner = llm.engine.executor.runner

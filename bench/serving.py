@@ -188,10 +188,13 @@ def main() -> None:
                          "(a soak test: RSS should level off, not grow)")
     ap.add_argument("--duration", type=float, default=0,
                     help="a soak by the clock: repeat the load until this many seconds have passed since the "
-                         "first round began (with --rounds, whichever ends later), RSS after each round")
+                         "first round began (with --rounds, whichever ends later), RSS after each round; it stops "
+                         "early when a request fails or the server exits. Needs the server this script starts")
     ap.add_argument("--json", help="also write the figures to this file")
     ap.add_argument("serve_flags", nargs="*", help="extra `heterollm serve` flags, after --")
     args = ap.parse_args()
+    if (args.rounds > 1 or args.duration) and args.base_url:
+        ap.error("--rounds / --duration: a soak reads the RSS of the server this script starts; drop --base-url")
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     rng = random.Random(args.seed)
@@ -224,10 +227,18 @@ def main() -> None:
                 memory["rounds"] = [memory["after"].get("VmRSS", 0)]
                 soak_start = time.monotonic() - wall
                 i = 1
+                memory["failed_requests"] = 0
                 while i < args.rounds or time.monotonic() - soak_start < args.duration:
                     results, wall = asyncio.run(run_load(turl, tname, prompts, args.output_len, args.concurrency,
                                                          headers))
                     last = summarize(tlabel, results, wall)
+                    failed = sum(r.error is not None for r in results)
+                    memory["failed_requests"] += failed
+                    if proc.poll() is not None or failed:  # a dead or failing server: no RSS figure to trust
+                        print(f"round {i + 1}: {failed} of {len(results)} requests failed"
+                              + (f"; the server exited ({proc.returncode})" if proc.poll() is not None else "")
+                              + ": soak stopped", file=sys.stderr)
+                        break
                     memory["rounds"].append(memory_of(proc.pid).get("VmRSS", 0))
                     i += 1
                     print(f"round {i} ({time.monotonic() - soak_start:.0f} s): server RSS "
@@ -261,7 +272,7 @@ def main() -> None:
         rss = memory["rounds"]
         if len(rss) > 1:
             third = max(1, len(rss) // 3)
-            print(f"soak: {len(rss)} rounds in {memory['soak_s']:.0f} s; RSS after each round min {min(rss):.0f} / max "
+            print(f"soak: {len(rss)} rounds in {memory['soak_s']:.0f} s, {memory.get('failed_requests', 0)} failed requests; RSS after each round min {min(rss):.0f} / max "
                   f"{max(rss):.0f} MiB; mean of the last third minus the first third's: "
                   f"{sum(rss[-third:]) / third - sum(rss[:third]) / third:+.1f} MiB; last round "
                   f"{memory['last_round_out_tok_s']:.1f} out tok/s")

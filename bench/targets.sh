@@ -98,7 +98,7 @@ for data, tag in ((serve, "bf16"), (serve8, "w8a8")):
             continue
         peer = next((p for p in (serve or {}).get("rows", []) if p.get("engine") == "vLLM"
                      and p.get("concurrency") == r.get("concurrency")), None)
-        if peer and r.get("out_tok_s") and peer.get("out_tok_s"):
+        if peer and all(d.get(k) for d in (r, peer) for k in ("out_tok_s", "ttft_mean_ms")):
             ratio = r["out_tok_s"] / peer["out_tok_s"]
             ttft = r["ttft_mean_ms"] / peer["ttft_mean_ms"]
             lines.append((f"vllm bench serve C={r['concurrency']}, out tok/s, mean TTFT ms ({tag})",
@@ -111,7 +111,7 @@ if b1:
     for r in b1["rows"]:
         if not r["engine"].startswith("heterollm"):
             continue
-        if "wint4" in r["weights"] and llama:
+        if "wint4" in r["weights"] and llama and llama.get("decode_tok_s") and r.get("decode_tok_s"):
             ratio = r["decode_tok_s"] / llama["decode_tok_s"]
             lines.append(("batch 1 decode tok/s, wint4 vs llama.cpp Q4_1", f"{r['decode_tok_s']:.1f}",
                           f"llama.cpp {llama['decode_tok_s']:.1f}", f"{ratio:.2f}x", ">= 1x", ratio >= 1))

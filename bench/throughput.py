@@ -46,6 +46,8 @@ def run_heterollm(args: argparse.Namespace, config: str) -> tuple[dict, list[lis
     base, _, graph = config.partition("+")
     flags = {"quantization": QUANT[base]} if QUANT[base] else {}
     t = time.perf_counter()
+    if args.profile_steps:
+        flags["enable_profile_step_time"] = True
     llm = LLM(args.model, dtype=args.dtype, enable_graph=bool(graph), **flags)
     load_s = time.perf_counter() - t
     vocab = llm.engine.vocab_size
@@ -90,6 +92,9 @@ def main() -> int:
                          "optionally +graph (--enable_graph); the first is the x column's reference")
     ap.add_argument("--graph", action="store_true",
                     help="a second heterollm row with --enable_graph (decode steps through torch.compile)")
+    ap.add_argument("--profile-steps", action="store_true",
+                    help="--enable_profile_step_time on the heterollm rows: every 50 steps, the mean ms of each "
+                         "phase (schedule, prepare, forward, sample, output), decode and prefill steps apart")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
     peers = [p.strip().replace("llama.cpp", "llamacpp") for p in args.peers.split(",") if p.strip()]
@@ -98,6 +103,10 @@ def main() -> int:
             ap.error(f"--peers: unknown {p!r} (vllm, llamacpp)")
     peers = [p for p in peers if p != "transformers"]  # transformers: the default row, unless --skip-hf
 
+    if args.profile_steps:
+        import logging
+        logging.basicConfig(format="%(message)s")
+        logging.getLogger("heterollm.profile").setLevel(logging.INFO)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if args.graph and "bf16+graph" not in configs:
         configs.append("bf16+graph")
