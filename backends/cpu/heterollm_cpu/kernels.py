@@ -36,7 +36,7 @@ LDFLAGS = ["-fopenmp", "-lmvec"]
 _loaded: bool | None = None
 
 
-HEADERS = [Path(__file__).parent / "csrc" / "bf16_dot.h"]
+HEADERS = [Path(__file__).parent / "csrc" / name for name in ("bf16_dot.h", "scalar_types.h")]
 
 
 def _key() -> str:

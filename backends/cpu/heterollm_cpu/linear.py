@@ -139,16 +139,18 @@ class WeightOnlyInt4(LinearMethod):
 def w8a8_reference(x: torch.Tensor, codes: torch.Tensor, w_scale: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:
     """`heterollm_cpu::w8a8_linear` in torch ops, operation for operation: per row of x, amax = max |x|,
-    q = round(x * (127 / amax)) (half to even) in [-127, 127], s = amax * (1 / 127) (a zero row: q = 0,
-    s = 1); y = (q @ codes.T) * (s * w_scale) (+ bias), in x's dtype. All in fp32, each operation as the
+    q = round(x * (127 / amax)) (half to even) in [-127, 127], s = amax * (1 / 127) (a row of zeros or of
+    values under 127 / FLT_MAX: q = 0, s = 1; a row with a NaN or an infinity: q = 0, s = NaN); y = (q @ codes.T) * (s * w_scale) (+ bias), in x's dtype. All in fp32, each operation as the
     kernel does it: the same codes and sums, the output within an ulp or two (the compiler's reordering)."""
     k = x.shape[-1]
     rows = x.reshape(-1, k).float()
     amax = rows.abs().amax(-1, keepdim=True)
-    live = amax > 0
+    finite = rows.isfinite().all(-1, keepdim=True)
+    tiny = torch.tensor(127, dtype=torch.float32) / torch.finfo(torch.float32).max
+    live = finite & (amax > tiny)
     inv = torch.where(live, torch.full_like(amax, 127).div_(amax), torch.zeros_like(amax))  # a true division
-    q = (rows * inv).round_().clamp_(-127, 127).to(torch.int8)
-    scale = torch.where(live, amax * (1 / 127), torch.ones_like(amax))
+    q = torch.where(live, rows * inv, 0).round_().clamp_(-127, 127).to(torch.int8)
+    scale = torch.where(live, amax * (1 / 127), torch.where(finite, 1.0, float("nan")))
     y = torch._int_mm(q, codes.t()).float() * (scale * w_scale)
     if bias is not None:
         y = y + bias.float()

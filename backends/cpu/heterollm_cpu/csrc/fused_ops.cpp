@@ -15,6 +15,7 @@
 //   rotate-half (Neox) layout: [x1 c - x2 s, x2 c + x1 s] with x1, x2 the halves of each head
 // x: fp32 or bf16 with a contiguous last dimension; any stride elsewhere.
 #include <torch/extension.h>
+#include "scalar_types.h"
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -24,35 +25,7 @@
 
 namespace {
 
-inline float bf16_to_float(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN kept a NaN (as c10::BFloat16)
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;  // a bit test: -ffast-math drops isnan
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-// Element access for the two storage types: load widens to fp32, store rounds, round() rounds an fp32
-// value to the storage precision and back (what a torch op on that dtype does to its result).
-struct F32 {
-  using T = float;
-  static inline float load(const T* p, int64_t i) { return p[i]; }
-  static inline void store(T* p, int64_t i, float v) { p[i] = v; }
-  static inline float round(float v) { return v; }
-};
-struct BF16 {
-  using T = uint16_t;
-  static inline float load(const T* p, int64_t i) { return bf16_to_float(p[i]); }
-  static inline void store(T* p, int64_t i, float v) { p[i] = float_to_bf16(v); }
-  static inline float round(float v) { return bf16_to_float(float_to_bf16(v)); }
-};
+using namespace heterollm_cpu;
 
 // A tensor of rows: the last dimension contiguous, the others flattened to row indices by their
 // strides (2 or 3 dimensions; a view of a wider tensor, such as q/k heads inside a fused qkv output).

@@ -6,12 +6,14 @@
 // w8a8_linear(x (..., K) fp32 or bf16, codes (N, K) int8, w_scale (N) fp32, bias (N) or None)
 //   -> (..., N) in x's dtype
 // Row m of x: amax = max |x[m, :]| (in fp32), q = round_half_even(x * (127 / amax)) in [-127, 127],
-// s = amax * (1 / 127) in fp32 (a row of zeros: q = 0, s = 1). Then y[m, n] = acc[m, n] * (s[m] * w_scale[n]) (+ bias[n]),
+// s = amax * (1 / 127) in fp32 (a row of zeros, or of values under 127 / FLT_MAX: q = 0, s = 1; a row
+// with a NaN or an infinity: q = 0, s = NaN, so its outputs are NaN). Then y[m, n] = acc[m, n] * (s[m] * w_scale[n]) (+ bias[n]),
 // rounded to x's dtype. linear.py's torch path computes the same, operation for operation: the same
 // codes and integer sums; -ffast-math may reorder the two scale products and fuse the bias into an
 // FMA, an ulp or two of the output. AVX-512 loops where the CPU has them (16 values at a time), the
 // int32 sums made and scaled 256 rows at a time so they stay in cache.
 #include <torch/extension.h>
+#include "scalar_types.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -26,31 +28,7 @@ namespace {
 
 constexpr int64_t kChunkRows = 256;
 
-inline float bf16_to_float(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN kept a NaN (as c10::BFloat16)
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-struct F32 {
-  using T = float;
-  static inline float load(const T* p, int64_t i) { return p[i]; }
-  static inline void store(T* p, int64_t i, float v) { p[i] = v; }
-};
-struct BF16 {
-  using T = uint16_t;
-  static inline float load(const T* p, int64_t i) { return bf16_to_float(p[i]); }
-  static inline void store(T* p, int64_t i, float v) { p[i] = float_to_bf16(v); }
-};
+using namespace heterollm_cpu;
 
 #if defined(__AVX512F__)
 // 16 values at a time. Loads widen to fp32; the bf16 store rounds to nearest even with a NaN kept a
@@ -74,20 +52,45 @@ inline void store16(uint16_t* p, __m512 v) {
 
 template <typename S>
 void quantize_rows(const typename S::T* x, int64_t rows, int64_t k, int8_t* q, float* scale) {
+  // a row this small would overflow 127 / amax: it is taken as zeros. A row with a NaN or an infinity
+  // gets zero codes and a NaN scale, so its outputs are NaN (as F.linear's would be), not numbers.
+  const float tiny = 127.f / std::numeric_limits<float>::max();
+  uint32_t nan_bits = 0x7FC00000u;
+  float nan;
+  std::memcpy(&nan, &nan_bits, sizeof(nan));
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const typename S::T* row = x + m * k;
       float amax = 0.f;
+      bool finite = true;  // tested on the bits: -ffast-math assumes no NaN or infinity in float compares
       int64_t i = 0;
 #if defined(__AVX512F__)
       __m512 vmax = _mm512_setzero_ps();
-      for (; i + 16 <= k; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16(row + i)));
+      __mmask16 special = 0;
+      const __m512i exponent = _mm512_set1_epi32(0x7F800000);
+      for (; i + 16 <= k; i += 16) {
+        const __m512 v = load16(row + i);
+        special |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), exponent), exponent);
+        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+      }
       amax = _mm512_reduce_max_ps(vmax);
+      finite = special == 0;
 #endif
-      for (; i < k; ++i) amax = std::max(amax, std::fabs(S::load(row, i)));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      scale[m] = amax > 0.f ? amax * (1.f / 127.f) : 1.f;  // a product: -ffast-math turns / 127 into one anyway
+      for (; i < k; ++i) {
+        const float v = S::load(row, i);
+        uint32_t bits;
+        std::memcpy(&bits, &v, sizeof(bits));
+        finite = finite && (bits & 0x7F800000u) != 0x7F800000u;
+        amax = std::max(amax, std::fabs(v));
+      }
       int8_t* out = q + m * k;
+      if (!finite || !(amax > tiny)) {
+        std::memset(out, 0, k);
+        scale[m] = finite ? 1.f : nan;
+        continue;
+      }
+      const float inv = 127.f / amax;
+      scale[m] = amax * (1.f / 127.f);  // a product: -ffast-math turns / 127 into one anyway
       i = 0;
 #if defined(__AVX512F__)
       const __m512 vinv = _mm512_set1_ps(inv);
