@@ -16,8 +16,8 @@
 All three quantize the loaded bf16/fp32 weights at start-up. The weight-only two read 2x / 4x fewer
 weight bytes, which pays at small batches (single-stream decode); torch's weight-only int kernels are
 slower than the bf16 GEMM at tens of rows, so they are not the throughput setting. `w8a8` reads the
-int8 bytes and multiplies at the int8 rate (about twice bf16's on AVX-512: 64 int8 products per
-instruction against 32 bf16), at every batch size."""
+int8 bytes and multiplies at the int8 rate at every batch size (the instruction does twice bf16's
+products; measured on 2 AMD EPYC vCPUs: a prefill's linears 1.4x faster than bf16, bench/RESULTS.md)."""
 from __future__ import annotations
 
 import itertools
@@ -93,14 +93,21 @@ class OneDnnLinear(LinearMethod):
         return torch.ops.mkldnn._linear_pointwise(x, state.packed, bias, "none", [], "")
 
 
+def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes per output channel, `wint8`'s and `w8a8`'s: (codes (N, K) int8 in
+    [-127, 127], fp32 scales (N) = max |row| / 127), with w ~ codes * scale."""
+    w = weight.float()
+    scale = w.abs().amax(1).clamp(min=1e-12) / 127
+    codes = (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+    return codes.contiguous(), scale.contiguous()
+
+
 class WeightOnlyInt8(LinearMethod):
     name = "wint8"
 
     def prepare(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        w = weight.float()
-        scale = w.abs().amax(1).clamp(min=1e-12) / 127
-        codes = (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
-        return codes.contiguous(), scale.to(weight.dtype)
+        codes, scale = int8_per_channel(weight)
+        return codes, scale.to(weight.dtype)
 
     def apply(self, state: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
@@ -140,8 +147,9 @@ def w8a8_reference(x: torch.Tensor, codes: torch.Tensor, w_scale: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:
     """`heterollm_cpu::w8a8_linear` in torch ops, operation for operation: per row of x, amax = max |x|,
     q = round(x * (127 / amax)) (half to even) in [-127, 127], s = amax * (1 / 127) (a row of zeros or of
-    values under 127 / FLT_MAX: q = 0, s = 1; a row with a NaN or an infinity: q = 0, s = NaN); y = (q @ codes.T) * (s * w_scale) (+ bias), in x's dtype. All in fp32, each operation as the
-    kernel does it: the same codes and sums, the output within an ulp or two (the compiler's reordering)."""
+    values under 127 / FLT_MAX: q = 0, s = 1; a row with a NaN or an infinity: q = 0, s = NaN);
+    y = (q @ codes.T) * (s * w_scale) (+ bias), in x's dtype. All in fp32, each operation as the kernel
+    does it: the same codes and sums, the output within an ulp or two (the compiler's reordering)."""
     k = x.shape[-1]
     rows = x.reshape(-1, k).float()
     amax = rows.abs().amax(-1, keepdim=True)
@@ -167,10 +175,7 @@ class DynamicInt8(LinearMethod):
         if weight.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"--quantization=w8a8: takes float32 or bfloat16 weights, not {weight.dtype} "
                              "(set --dtype bfloat16 or float32)")
-        w = weight.float()
-        scale = w.abs().amax(1).clamp(min=1e-12) / 127
-        codes = (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
-        return codes.contiguous(), scale.contiguous()
+        return int8_per_channel(weight)
 
     def apply(self, state: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
