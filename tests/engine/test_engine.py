@@ -140,6 +140,18 @@ def test_chat(llm):
     ids = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
                                                   add_generation_prompt=True)
     assert out.prompt_token_ids == llm.get_tokenizer().encode(ids, add_special_tokens=False)
+    # the given params, not the model's defaults: GREEDY's 24 tokens, the same as generate's
+    [again] = llm.generate([out.prompt_token_ids], GREEDY)
+    assert out.outputs[0].token_ids == again.outputs[0].token_ids and len(again.outputs[0].token_ids) == 24
+
+
+def test_chat_takes_a_list_of_conversations_and_answers_each_in_order(llm):
+    convs = [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "a longer question, this one"}]]
+    outs = llm.chat(convs, GREEDY)
+    singles = [llm.chat(conv, GREEDY)[0] for conv in convs]
+    assert [o.prompt_token_ids for o in outs] == [o.prompt_token_ids for o in singles]
+    assert outs[0].prompt_token_ids != outs[1].prompt_token_ids
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in singles]
 
 
 def test_unknown_flag_in_llm_kwargs(tiny):

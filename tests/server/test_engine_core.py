@@ -143,6 +143,14 @@ def test_outputs_cross_the_wire_intact():
         ipc.Add("r", "p", None, ipc.params_to_wire(params)))).params) == params
 
 
+def test_an_object_the_wire_cannot_carry_is_refused_naming_its_type():
+    class Handle:
+        pass
+
+    with pytest.raises(NotImplementedError, match="cannot send Handle to or from the engine core"):
+        ipc.encoder().encode(ipc.Outputs([{"pooled": Handle()}]))
+
+
 def test_running_outputs_carry_only_their_new_logprobs():
     """A stream with logprobs: each running output sends the positions added since the last one and
     the prompt logprobs once; the API server's side rebuilds every output whole; a finished output
@@ -392,7 +400,8 @@ def test_a_core_sizes_its_threads_for_the_replicas_alone(tiny_llama, monkeypatch
     events = []
     monkeypatch.setattr(CpuPlatform, "configure_threads",
                         lambda self, workers, keep_for_server=0: events.append(("threads", workers, keep_for_server)))
-    monkeypatch.setattr(LLMEngine, "__init__", lambda self, config, dp_rank=0: events.append(("load",)))
-    core_process.build_engine(core_config(tiny_llama, dp_size=dp_size, enable_graph=graph), 0)
-    sized = ("threads", dp_size, 0)
-    assert events == ([sized, ("load",)] if graph else [("load",), sized])
+    monkeypatch.setattr(LLMEngine, "__init__", lambda self, config, dp_rank=0: events.append(("load", config, dp_rank)))
+    config = core_config(tiny_llama, dp_size=dp_size, enable_graph=graph)
+    core_process.build_engine(config, dp_size - 1)  # the last replica: its rank reaches the engine
+    sized, loaded = ("threads", dp_size, 0), ("load", config, dp_size - 1)
+    assert events == ([sized, loaded] if graph else [loaded, sized])

@@ -3,6 +3,7 @@ streaming, logprobs, n > 1, stop strings, usage numbers, /tokenize, /detokenize,
 from __future__ import annotations
 
 import math
+import time
 
 import httpx
 import openai
@@ -47,6 +48,19 @@ def test_models_health_version(http, client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert http.get("/version").json()["version"]
+
+
+def test_models_lists_each_served_name_as_openai_and_vllm_describe_a_model(http):
+    """OpenAI's Model object (id, object "model", created in seconds, owned_by) with vLLM's additions
+    (root: the checkpoint, here the served name as no path was given; parent null; max_model_len:
+    the fixture's 256), inside a list object."""
+    before = int(time.time())
+    body = http.get("/v1/models").json()
+    [model] = body["data"]
+    assert isinstance(model["created"], int) and 0 <= before - model["created"] < 3600
+    del model["created"]
+    assert body == {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "heterollm",
+                                                "root": MODEL, "parent": None, "max_model_len": 256}]}
 
 
 def test_completion_matches_engine_and_usage(srv, client, http):
