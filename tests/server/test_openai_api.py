@@ -135,6 +135,10 @@ def test_chat_logprobs(client):
         assert len(t.top_logprobs) == 2 and t.top_logprobs[0].token == t.token
         assert t.logprob == pytest.approx(t.top_logprobs[0].logprob) and t.logprob <= 0
         assert bytes(t.bytes).decode("utf-8", "replace") == t.token
+    # logprobs without top_logprobs: each position's own logprob and no alternatives
+    out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0, logprobs=True,
+                                         extra_body={"ignore_eos": True})
+    assert [t.top_logprobs for t in out.choices[0].logprobs.content] == [[], [], []]
 
 
 def test_n_choices_seeded(client):
