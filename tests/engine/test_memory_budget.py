@@ -137,6 +137,35 @@ def test_a_process_entry_goes_when_it_exits(tmp_path):
     assert json.loads(path.read_text()) == {}
 
 
+def test_release_all_takes_this_process_entry_out_of_the_file(tmp_path):
+    """What the exit hook does, in process: every engine's hold goes, in memory and in the file."""
+    path = tmp_path / "host.json"
+    with reservations.host_registry(path) as view:
+        view.hold("a", {HOST: 5})
+        view.hold("b", {HOST: 2})
+    assert json.loads(path.read_text())[str(os.getpid())]["memories"] == {HOST: 7}
+    reservations.release_all(path)
+    assert json.loads(path.read_text()) == {}
+    with reservations.host_registry(path) as view:
+        assert view.mine() == {}
+
+
+def test_an_unusable_registry_warns_once_and_plans_with_nothing_reserved(tmp_path, caplog):
+    """Its folder cannot be made (a file is in the way): each use is a view of nothing that records
+    nothing, and one warning names the file and what the instances lose."""
+    (tmp_path / "blocker").write_text("")
+    path = tmp_path / "blocker" / "host.json"
+    with caplog.at_level(logging.WARNING, logger="heterollm.engine"):
+        for _ in range(2):
+            with reservations.host_registry(path) as view:
+                assert not view.usable and view.others() == {}
+                view.hold("e", {HOST: 1})
+    [warning] = [r.getMessage() for r in caplog.records if "unusable" in r.getMessage()]
+    assert warning.startswith(f"host memory registry {path} unusable (")
+    assert warning.endswith("): instances on this host do not see each other's reservations")
+    assert not path.exists()
+
+
 # -- engines ---------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from heterollm.engine.core_client import EngineCoreClient, start_engine_cores
 from heterollm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from heterollm.interfaces import TokenLogprobs
 from heterollm.sampling import SamplingParams
+from heterollm.scheduler.request import RequestRejected
 
 FLAGS = {"dtype": "float32", "block_size": 8, "num_gpu_blocks_override": 512, "max_model_len": 256}
 
@@ -141,6 +142,15 @@ def test_outputs_cross_the_wire_intact():
                             seed=3, max_tokens=9)
     assert ipc.params_from_wire(ipc.to_core_decoder().decode(ipc.encoder().encode(
         ipc.Add("r", "p", None, ipc.params_to_wire(params)))).params) == params
+
+
+def test_a_refusal_crosses_as_its_field_message_and_status_and_a_failure_as_an_engine_error():
+    assert ipc.Rejection.of(RequestRejected("max_tokens", "max_tokens must be >= 1")) == \
+        ipc.Rejection("max_tokens", "max_tokens must be >= 1", 400, engine_error=False)
+    assert ipc.Rejection.of(RequestRejected("kv_transfer_params", "no room now", status=503)) == \
+        ipc.Rejection("kv_transfer_params", "no room now", 503, engine_error=False)
+    assert ipc.Rejection.of(RuntimeError("the step raised")) == \
+        ipc.Rejection(None, "the step raised", 500, engine_error=True)
 
 
 def test_an_object_the_wire_cannot_carry_is_refused_naming_its_type():
