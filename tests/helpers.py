@@ -3,7 +3,10 @@ a tokenizer (the default model's, converted once from its GGUF) so folders are c
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
+import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -55,9 +58,29 @@ def smollm2_gguf() -> Path:
 
 @functools.lru_cache(maxsize=None)
 def _tokenizer():
+    """SmolLM2's tokenizer for the tiny models. Converting it from the GGUF takes ~5 s, so the
+    converted copy is kept under HETEROLLM_CACHE_DIR (the test run's own temporary folder unless
+    the caller set one: mutation runs share it between the processes they fork), keyed by the GGUF
+    and transformers' version; loading that copy takes ~0.4 s."""
+    import transformers
     from transformers import AutoTokenizer
+
+    from heterollm import envs
+
     path = smollm2_gguf()
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}".encode()).hexdigest()
+    saved = envs.cache_dir() / "test-tokenizer" / key[:16]
+    if saved.is_dir():
+        return AutoTokenizer.from_pretrained(str(saved))
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    partial = saved.with_name(f"{saved.name}.{os.getpid()}.partial")
+    tok.save_pretrained(partial)
+    try:
+        os.rename(partial, saved)  # whole or not at all; another process may have won the race
+    except OSError:
+        shutil.rmtree(partial, ignore_errors=True)
+    return tok
 
 
 def spread_weights(model):
