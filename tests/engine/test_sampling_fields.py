@@ -158,3 +158,24 @@ def test_a_field_changed_to_a_bad_value_after_construction_is_refused_at_admissi
     with pytest.raises(RequestRejected) as err:
         llm.generate([PROMPT], sp)
     assert err.value.field == "best_of" and str(err.value).startswith("best_of: ")
+
+
+def test_best_of_keeps_the_n_highest_cumulative_logprobs_each_whole_in_its_delta():
+    """vLLM v0's best_of, worked by hand: nothing until every sequence finished; then ranked by
+    cumulative logprob (one never computed ranks last), re-indexed, each streamed whole at once."""
+    from heterollm.engine.admission import best_of
+    from heterollm.engine.outputs import CompletionOutput
+
+    seqs = [CompletionOutput(0, "a", [1], finish_reason="stop", cumulative_logprob=-3.0),
+            CompletionOutput(1, "bb", [2, 3], finish_reason="length", cumulative_logprob=None),
+            CompletionOutput(2, "c", [4], finish_reason="stop", cumulative_logprob=-0.5, delta_text="", delta_token_ids=[]),
+            CompletionOutput(3, "dd", [5, 6], finish_reason="stop", cumulative_logprob=-1.25, delta_text="d",
+                             delta_token_ids=[6])]
+    assert best_of(seqs, 2, finished=False) == []
+
+    def view(outs):
+        return [(c.index, c.text, c.cumulative_logprob, c.delta_text, c.delta_token_ids) for c in outs]
+
+    assert view(best_of(seqs, 2, finished=True)) == [(0, "c", -0.5, "c", [4]), (1, "dd", -1.25, "dd", [5, 6])]
+    assert view(best_of(seqs, 4, finished=True)) == [(0, "c", -0.5, "c", [4]), (1, "dd", -1.25, "dd", [5, 6]),
+                                                     (2, "a", -3.0, "a", [1]), (3, "bb", None, "bb", [2, 3])]
