@@ -12,6 +12,7 @@ import sys
 import time
 
 import httpx
+import msgspec
 import pytest
 import torch
 
@@ -22,6 +23,8 @@ from heterollm.engine import core_ipc as ipc
 from heterollm.engine.core_client import EngineCoreClient, start_engine_cores
 from heterollm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from heterollm.interfaces import TokenLogprobs
+from heterollm.pooling import PoolingParams
+from heterollm.pooling.params import PoolingType
 from heterollm.sampling import SamplingParams
 from heterollm.scheduler.request import RequestRejected
 
@@ -34,7 +37,8 @@ def core_config(folder, **flags):
 
 @pytest.fixture(scope="module")
 def core(tiny_llama):
-    config = core_config(tiny_llama, guided_decoding_backend="xgrammar", enable_online_profile=True)
+    config = core_config(tiny_llama, guided_decoding_backend="xgrammar", enable_online_profile=True,
+                         dynamic_load_weight=1)
     with serving_cores(config) as running:
         yield running
 
@@ -113,6 +117,17 @@ def test_admin_calls_reach_the_core(core, tmp_path):
         os.unlink(t)
 
 
+def test_an_admin_call_carries_its_arguments_to_the_core(core, tiny_llama):
+    """/update_weights hands the core a WeightUpdate (as a dict): the same checkpoint reloads, and a
+    path the core cannot read comes back as the core's refusal naming the field."""
+    r = httpx.post(core.url + "/update_weights", json={"path": str(tiny_llama)}, timeout=120)
+    assert r.status_code == 200 and r.json()["tensors"] > 0 and r.json()["replicas"] == 1, r.text
+    r = httpx.post(core.url + "/update_weights", json={"path": "/no/such/checkpoint"}, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "path", r.text
+    assert "/no/such/checkpoint" in r.json()["error"]["message"]
+    assert core.server.replicas[0]._calls == {}  # each call's slot is gone once answered
+
+
 def test_metrics_come_from_the_core(core):
     _post(core.url, {"prompt": "count me", "max_tokens": 4})
     deadline = time.monotonic() + 10
@@ -142,6 +157,11 @@ def test_outputs_cross_the_wire_intact():
                             seed=3, max_tokens=9)
     assert ipc.params_from_wire(ipc.to_core_decoder().decode(ipc.encoder().encode(
         ipc.Add("r", "p", None, ipc.params_to_wire(params)))).params) == params
+    for pooling in (PoolingParams(task="embed", pooling_type=PoolingType.MEAN, normalize=False, dimensions=16),
+                    PoolingParams(task="score", score_token_ids=(3, 7))):
+        add = ipc.Add("r", "p", None, ipc.params_to_wire(SamplingParams(max_tokens=1)), pooling=msgspec.to_builtins(pooling))
+        assert ipc.pooling_from_wire(ipc.to_core_decoder().decode(ipc.encoder().encode(add)).pooling) == pooling
+    assert ipc.pooling_from_wire(None) is None
 
 
 def test_a_refusal_crosses_as_its_field_message_and_status_and_a_failure_as_an_engine_error():
@@ -217,16 +237,24 @@ def test_a_killed_core_fails_every_request_and_health_turns_503(tiny_llama):
 
 
 def test_an_unanswering_core_times_out_with_rpc_channel_timeout_ms(tiny_llama):
-    client = EngineCoreClient(core_config(tiny_llama, rpc_channel_timeout_ms=300), 0)
+    client = EngineCoreClient(core_config(tiny_llama, rpc_channel_timeout_ms=300, dynamic_load_weight=1), 0)
     client.wait_ready()
     try:
         with serving([client]) as running:
             os.kill(client.process.pid, signal.SIGSTOP)
             try:
                 r = _post(running.url, {"prompt": "hello?", "max_tokens": 2})
+                start = time.monotonic()
+                admin = httpx.post(running.url + "/update_weights", json={"path": str(tiny_llama)}, timeout=60)
+                waited = time.monotonic() - start
             finally:
                 os.kill(client.process.pid, signal.SIGCONT)
             assert r.status_code == 500 and "--rpc_channel_timeout_ms=300" in r.json()["error"]["message"]
+            # an admin call waits as long (0.3 s; 5 s would mean another limit), then is a 503 naming
+            # the call and the flag, and its slot is gone
+            assert waited < 4 and client._calls == {}
+            assert admin.status_code == 503 and admin.json()["error"]["message"] == \
+                "the engine core did not answer update_weights within --rpc_channel_timeout_ms=300"
             assert _post(running.url, {"prompt": "hello again", "max_tokens": 2}).status_code == 200
     finally:
         client.shutdown()
