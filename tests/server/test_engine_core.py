@@ -211,6 +211,8 @@ def test_running_outputs_carry_only_their_new_logprobs():
     late = dec.decode(enc.encode(ipc.Outputs([sender.encode(output(3))]))).outputs[0]
     receiver.forget("r")
     assert receiver.decode(late).outputs[0].logprobs == lps[2:3] and not receiver._logprobs
+    sender.forget("r")  # the core's side of an abort: nothing kept for the request
+    assert not sender._sent
 
 
 def test_a_killed_core_fails_every_request_and_health_turns_503(tiny_llama):
