@@ -137,3 +137,32 @@ def test_release_asks_every_replica(tiny_llama):
             assert client.post(p.url + "/v1/kv_transfer/release", json=release).json() == {"released": True}
             assert client.post(p.url + "/v1/kv_transfer/release", json=release).json() == {"released": False}
         assert sum(e.kv.num_free_blocks for e in engines) == 2 * PD["num_gpu_blocks_override"]
+
+
+def test_a_reserve_request_is_answered_at_once_or_refused_naming_the_field(servers):
+    """PD PUSH's first call ("reserve": true on a DECODE instance) answers with the reservation; under
+    PULL with only the mode. What D would refuse later is refused now: n or best_of above 1, logprobs
+    (the first token comes from P, which sends none). A DEFAULT instance reserves nothing."""
+    reserve = {"kv_transfer_params": {"reserve": True}}
+    with httpx.Client(timeout=60) as client:
+        for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
+            r = client.post(servers["d"] + path, json={**body, **reserve})
+            assert r.status_code == 200 and r.json() == {"kv_transfer_params": {"kv_cache_transfer_mode": "PULL"}}, r.text
+        cases = [
+            ("/v1/completions", {**COMPLETION, "n": 2}, "n", "one sequence (n = 1, best_of = 1)"),
+            ("/v1/completions", {**COMPLETION, "best_of": 2}, "n", "one sequence (n = 1, best_of = 1)"),
+            ("/v1/completions", {**COMPLETION, "logprobs": 0}, "logprobs", "which sends no logprobs"),
+            ("/v1/completions", {**COMPLETION, "prompt_logprobs": 1}, "logprobs", "which sends no logprobs"),
+            ("/v1/chat/completions", {**CHAT, "logprobs": True}, "logprobs", "which sends no logprobs"),
+            ("/v1/chat/completions", {**CHAT, "n": 2}, "n", "one sequence"),
+        ]
+        for path, body, param, words in cases:
+            r = client.post(servers["d"] + path, json={**body, **reserve})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+            assert words in r.json()["error"]["message"]
+        # chat's logprobs=false with top_logprobs unset is no logprobs at all
+        r = client.post(servers["d"] + "/v1/chat/completions", json={**CHAT, "logprobs": False, **reserve})
+        assert r.status_code == 200, r.text
+        r = client.post(servers["plain"] + "/v1/completions", json={**COMPLETION, **reserve})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+        assert "a DECODE instance (--instance_role DECODE) reserves blocks" in r.json()["error"]["message"]

@@ -519,7 +519,7 @@ class OpenAIServer:
             if mm_items:
                 raise BadRequest("kv_transfer_params: a prompt with images is not served disaggregated",
                                  "kv_transfer_params")
-            reserve_checks(body, body.top_logprobs if body.logprobs else None)
+            reserve_checks(body, (body.top_logprobs or 0) if body.logprobs else None)
             return await self.kv_routes.reserve(ids)
         if body.use_beam_search:
             return await self._beam_search(request, body, [(None, ids)], max_tokens, "chat.completion")
