@@ -58,6 +58,9 @@ CASES = [
     ("/v1/chat/completions", json.dumps({"messages": MSG + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c", "type": "function", "function": {"arguments": "{}"}}]}]}).encode(),
      400, "messages.1.tool_calls.0.function", "with a string name and arguments"),
+    ("/v1/chat/completions", json.dumps({"messages": MSG + [{"role": "assistant", "content": None,
+                                                            "tool_calls": ["get_weather()"]}]}).encode(),
+     400, "messages.1.tool_calls.0.function", "with a string name and arguments"),
     ("/v1/chat/completions", json.dumps({"messages": MSG, "chat_template": "{% for %}"}).encode(), 400, "messages",
      "chat template"),
     ("/v1/chat/completions", json.dumps({"messages": MSG, "stream_options": {"include_usage": True}}).encode(), 400,

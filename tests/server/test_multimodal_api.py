@@ -232,3 +232,18 @@ def test_an_image_on_a_text_only_model_is_a_400(srv, png):
     r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                             "mm_processor_kwargs": {"max_pixels": 784}}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "mm_processor_kwargs", r.text
+
+
+def test_an_image_refusal_names_the_part_at_fault():
+    """The multimodal processor names images by their order in the chat (messages.image.K...); the
+    server turns that into the message part (worked by hand from two image parts)."""
+    from heterollm.entrypoints.openai.server import _image_field
+
+    parts = ["messages.0.content.1", "messages.2.content.0"]
+    assert _image_field("messages.image.1", parts, False) == "messages.2.content.0"
+    assert _image_field("messages.image.0.image_url.url", parts, False) == "messages.0.content.1.image_url.url"
+    assert _image_field("messages.image", parts, False) == "messages"  # the images as a whole (too many)
+    assert _image_field("messages.image.2", parts, False) == "messages"  # no such part: the whole
+    assert _image_field("messages.image", parts, True) == "messages.0.content.1"  # text-only: the first part
+    assert _image_field("messages.image", [], True) == "messages"
+    assert _image_field("max_tokens", parts, False) == "max_tokens"  # not about images: as it was
