@@ -237,3 +237,18 @@ def test_no_field_is_left_in_progress():
     """Every field of issue 20 has landed: none may sit in fields.IN_PROGRESS, neither exercised nor refused."""
     waiting = sorted({n for r in ROUTES for n in SCHEMA[r] if statuses(r, n) == ["in progress"]})
     assert not waiting, f"in progress, neither exercised nor refused: {', '.join(waiting)}"
+
+
+@pytest.mark.parametrize("route, name, value, message", [
+    ("completions", "spaces_between_special_tokens", False, "spaces_between_special_tokens is not supported: the "
+     "detokenizer decodes with the tokenizer's own spacing; only true is accepted"),
+    ("completions", "cache_salt", "s", "cache_salt is not supported: the prefix cache's hash chain takes no "
+     "per-request key, so it cannot be salted"),
+    ("chat", "service_tier", "flex", "service_tier is not supported: there is one service tier (`priority` orders "
+     "requests); only \"auto\" or \"default\" is accepted"),
+])
+def test_a_refusal_says_why_and_which_values_pass_word_for_word(http, route, name, value, message):
+    """Written out by hand: no accepted value but null (nothing added), one, two (joined by "or")."""
+    path, base = BASE[route]
+    r = http.post(path, json={"model": MODEL, "max_tokens": 1, **base, name: value})
+    assert r.status_code == 400 and r.json()["error"]["message"] == message, r.text
