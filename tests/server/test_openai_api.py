@@ -107,6 +107,15 @@ def test_completion_logprobs_and_echo(client, http):
     assert "".join(lp.tokens) == c.text
 
 
+def test_echo_of_a_token_prompt_keeps_its_special_tokens(srv, client):
+    """A prompt sent as token ids is echoed as their text, special tokens written out (vLLM's way)."""
+    tok = srv.engine.tokenizer.hf
+    ids = [tok.convert_tokens_to_ids("<|im_start|>")] + tok.encode("Roses are red", add_special_tokens=False)
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0, echo=True,
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].text.startswith("<|im_start|>Roses are red")
+
+
 def test_chat_and_streaming_chat_agree(client, http):
     ids = tokenize(http, messages=CHAT)
     full = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0)
