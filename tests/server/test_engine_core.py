@@ -242,6 +242,11 @@ def test_an_unanswering_core_times_out_with_rpc_channel_timeout_ms(tiny_llama):
     client = EngineCoreClient(core_config(tiny_llama, rpc_channel_timeout_ms=300, dynamic_load_weight=1), 0)
     client.wait_ready()
     try:
+        # before any request, the idle core has sent its gauges once
+        deadline = time.monotonic() + 10
+        while client.stats().get("kv_total_blocks") != 512 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.stats()["kv_total_blocks"] == 512 and client.stats()["running"] == 0
         with serving([client]) as running:
             os.kill(client.process.pid, signal.SIGSTOP)
             try:
