@@ -106,7 +106,9 @@ def test_api_key(tiny_llama, monkeypatch):
         body = {"prompt": "x", "max_tokens": 2}
         assert httpx.post(srv.url + "/v1/completions", json=body).status_code == 401
         wrong = httpx.post(srv.url + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
-        assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
+        assert wrong.status_code == 401 and wrong.json() == {"error": {
+            "message": "missing or wrong API key: send 'Authorization: Bearer <key>'", "type": "authentication_error",
+            "param": None, "code": 401}}
         assert httpx.get(srv.url + "/v1/models").status_code == 401
         assert httpx.get(srv.url + "/health").status_code == 200
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekret", max_retries=0)
