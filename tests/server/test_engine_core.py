@@ -5,6 +5,7 @@ stops when the API server is gone, --rpc_channel_timeout_ms and --engine_worker_
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -377,7 +378,7 @@ def test_embeddings_through_the_core_process(tiny_llama):
     assert refused.status_code == 400 and "--task" in refused.json()["error"]["message"]
 
 
-def test_a_failed_step_fails_its_requests_and_the_core_goes_on(tiny_llama):
+def test_a_failed_step_fails_its_requests_and_the_core_goes_on(tiny_llama, caplog):
     """The core's loop in this process over inproc sockets: a step that raises fails the requests the
     engine holds (StepFailed naming each), and the next request is served."""
     import threading
@@ -401,7 +402,8 @@ def test_a_failed_step_fails_its_requests_and_the_core_goes_on(tiny_llama):
 
     engine.executor.execute = execute
     core = EngineCore(engine, inbox, outbox, os.getppid())
-    thread = threading.Thread(target=core.run)
+    status = []
+    thread = threading.Thread(target=lambda: status.append(core.run()))
     enc, dec = ipc.encoder(), ipc.from_core_decoder()
     params = ipc.params_to_wire(SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
 
@@ -425,9 +427,20 @@ def test_a_failed_step_fails_its_requests_and_the_core_goes_on(tiny_llama):
             if done:
                 break
         assert done[0]["request_id"] == "c" and len(done[0]["outputs"][0]["token_ids"]) == 3
-    finally:
+        rest = until(ipc.Outputs)  # at rest: the gauges once more, nothing running, every block back
+        assert rest.outputs == [] and rest.stats["running"] == rest.stats["waiting"] == 0
+        assert rest.stats["kv_free_blocks"] == rest.stats["kv_total_blocks"]
         to_core.send(enc.encode(ipc.Shutdown()))
         thread.join(30)
+        assert status == [0]  # Shutdown: a clean exit
+        # a core whose API server is gone (its parent is not this process's parent) exits with 1, saying so
+        with caplog.at_level(logging.ERROR, logger="heterollm.engine"):
+            assert EngineCore(engine, inbox, outbox, parent_pid=-1).run() == 1
+        assert "the API server process is gone; the engine core exits" in caplog.messages
+    finally:
+        if thread.is_alive():
+            to_core.send(enc.encode(ipc.Shutdown()))
+            thread.join(30)
         for sock in (to_core, inbox, from_core, outbox):
             sock.close(linger=0)
         ctx.term()
