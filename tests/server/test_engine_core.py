@@ -387,6 +387,7 @@ def test_a_failed_step_fails_its_requests_and_the_core_goes_on(tiny_llama, caplo
 
     from heterollm.engine.core_process import EngineCore
 
+    caplog.set_level(logging.ERROR, logger="heterollm.engine")
     engine = make_engine(tiny_llama)
     ctx = zmq.Context()
     to_core, inbox, from_core, outbox = (ctx.socket(k) for k in (zmq.PUSH, zmq.PULL, zmq.PULL, zmq.PUSH))
@@ -420,6 +421,7 @@ def test_a_failed_step_fails_its_requests_and_the_core_goes_on(tiny_llama, caplo
         thread.start()  # both are queued before the loop runs: the failing first step holds both
         failed = until(ipc.StepFailed)
         assert sorted(failed.request_ids) == ["a", "b"] and "planted failure" in failed.message
+        assert "engine step failed; failing the requests in flight" in caplog.messages
         assert engine.unfinished_ids() == []
         to_core.send(enc.encode(ipc.Add("c", [5, 6, 7], None, params)))
         while True:
@@ -434,8 +436,7 @@ def test_a_failed_step_fails_its_requests_and_the_core_goes_on(tiny_llama, caplo
         thread.join(30)
         assert status == [0]  # Shutdown: a clean exit
         # a core whose API server is gone (its parent is not this process's parent) exits with 1, saying so
-        with caplog.at_level(logging.ERROR, logger="heterollm.engine"):
-            assert EngineCore(engine, inbox, outbox, parent_pid=-1).run() == 1
+        assert EngineCore(engine, inbox, outbox, parent_pid=-1).run() == 1
         assert "the API server process is gone; the engine core exits" in caplog.messages
     finally:
         if thread.is_alive():
