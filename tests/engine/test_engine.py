@@ -228,3 +228,16 @@ def test_prompt_logprobs_survive_a_preemption_mid_prefill(tiny):
     assert [lp.logprob for lp in got.prompt_logprobs[1:]] == pytest.approx(
         [lp.logprob for lp in want.prompt_logprobs[1:]], abs=1e-4)
     tight.shutdown()
+
+
+def test_chat_template_arguments_reach_the_template(llm):
+    """`chat_template`, `add_generation_prompt` and extra template variables (vLLM's LLM.chat): a
+    template written here renders the prompt these ids must be."""
+    conv = [{"role": "user", "content": "hi"}]
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                "{% if add_generation_prompt %}<bot>{% endif %}{{ suffix | default('') }}")
+    tok = llm.get_tokenizer()
+    for kwargs, text in [({}, "<user>hi<bot>"), ({"add_generation_prompt": False}, "<user>hi"),
+                         ({"suffix": "!"}, "<user>hi<bot>!")]:
+        [out] = llm.chat(conv, SamplingParams(max_tokens=1, temperature=0), chat_template=template, **kwargs)
+        assert out.prompt_token_ids == tok.encode(text, add_special_tokens=False), kwargs
