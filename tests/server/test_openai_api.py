@@ -116,6 +116,15 @@ def test_echo_of_a_token_prompt_keeps_its_special_tokens(srv, client):
     assert out.choices[0].text.startswith("<|im_start|>Roses are red")
 
 
+def test_detokenize_writes_special_tokens_out_and_checks_the_model(srv, http):
+    tok = srv.engine.tokenizer.hf
+    ids = [tok.convert_tokens_to_ids("<|im_start|>")] + tok.encode("user", add_special_tokens=False)
+    r = http.post("/detokenize", json={"model": MODEL, "tokens": ids})
+    assert r.status_code == 200 and r.json() == {"prompt": "<|im_start|>user"}, r.text
+    r = http.post("/detokenize", json={"model": "not-served", "tokens": ids})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text
+
+
 def test_chat_and_streaming_chat_agree(client, http):
     ids = tokenize(http, messages=CHAT)
     full = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0)
