@@ -447,7 +447,7 @@ def test_a_failed_step_fails_its_requests_and_the_core_goes_on(tiny_llama, caplo
         ctx.term()
 
 
-@pytest.mark.parametrize("dp_size, graph", [(1, False), (2, False), (1, True)])
+@pytest.mark.parametrize("dp_size, graph", [(1, False), (2, False), (1, True), (2, True)])
 def test_a_core_sizes_its_threads_for_the_replicas_alone(tiny_llama, monkeypatch, dp_size, graph):
     """The API server is a process of its own, so a core keeps no core for it: its torch pool is the
     host's cores over --dp_size (measured on 2 cores at C=16: 2 threads serve 1.55x the output tok/s
