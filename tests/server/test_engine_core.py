@@ -438,6 +438,17 @@ def test_a_failed_step_fails_its_requests_and_the_core_goes_on(tiny_llama, caplo
         # a core whose API server is gone (its parent is not this process's parent) exits with 1, saying so
         assert EngineCore(engine, inbox, outbox, parent_pid=-1).run() == 1
         assert "the API server process is gone; the engine core exits" in caplog.messages
+        # workers gone: the core says why (Dead) and exits with 1
+        from heterollm.interfaces import ExecutorDead
+
+        def dead(so):
+            raise ExecutorDead("rank 1 exited with -9")
+
+        engine.executor.execute = dead
+        to_core.send(enc.encode(ipc.Add("d", [5, 6, 7], None, params)))
+        assert EngineCore(engine, inbox, outbox, os.getppid()).run() == 1
+        assert until(ipc.Dead).why == "rank 1 exited with -9"
+        assert "the engine cannot go on (rank 1 exited with -9)" in caplog.messages
     finally:
         if thread.is_alive():
             to_core.send(enc.encode(ipc.Shutdown()))
