@@ -241,3 +241,12 @@ def test_chat_template_arguments_reach_the_template(llm):
                          ({"suffix": "!"}, "<user>hi<bot>!")]:
         [out] = llm.chat(conv, SamplingParams(max_tokens=1, temperature=0), chat_template=template, **kwargs)
         assert out.prompt_token_ids == tok.encode(text, add_special_tokens=False), kwargs
+
+
+def test_chat_with_an_image_on_a_text_only_model_is_refused_naming_the_images(llm):
+    url = "data:image/png;base64,iVBORw0KGgo="  # refused before it is read: the model takes no images
+    conv = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "What is this?"}]}]
+    with pytest.raises(RequestRejected, match="text-only") as refused:
+        llm.chat(conv, GREEDY)
+    assert refused.value.field == "messages.image"
