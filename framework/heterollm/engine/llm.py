@@ -85,9 +85,8 @@ class LLM:
         batch, mm_items = [], []
         for conv in convs:
             conv, images = split_images(conv)
-            if images and self.engine.multimodal.processor is None:
-                # a text-only model refuses images: say so before the template, which may not render them
-                self.engine.multimodal.admit([], {"image": images}, field="messages")
+            # before the template, which may not render image parts
+            self.engine.multimodal.refuse_if_text_only(images, "messages.image")
             ids = self.engine.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
                                                             chat_template=chat_template, **template_kwargs)
             items = None

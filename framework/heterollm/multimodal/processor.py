@@ -222,6 +222,12 @@ class MultiModalInputs:
                                             config.fastdeploy.mm_processor_kwargs)
         return cls(processor, FetchPolicy(headers=headers), str(source.gguf_file or source.folder))
 
+    def refuse_if_text_only(self, images: Sequence[Any], field: str) -> None:
+        """A RequestRejected naming `field` when images come to a text-only model."""
+        if images and self.processor is None:
+            raise RequestRejected(field, f"the model {self.model_name} is text-only: it takes no images (serve a "
+                                         f"vision-language model, e.g. Qwen2-VL)")
+
     def admit(self, prompt_ids: list[int], data: Mapping[str, Any] | None, kwargs: Mapping[str, Any] | None = None,
               field: str = "multi_modal_data", headers: Mapping[str, str] | None = None) -> tuple[list[int], list[MultiModalItem]]:
         """(expanded prompt ids, items) for a prompt and its `multi_modal_data` ({"image": one image or a
@@ -239,9 +245,7 @@ class MultiModalInputs:
         elif not isinstance(images, (list, tuple)):
             images = [images]
         if self.processor is None:
-            if images:
-                raise RequestRejected(f"{field}.image", f"the model {self.model_name} is text-only: it takes no "
-                                                        f"images (serve a vision-language model, e.g. Qwen2-VL)")
+            self.refuse_if_text_only(images, f"{field}.image")
             return list(prompt_ids), []
         self.processor.check_count(len(images), f"{field}.image")  # before fetching any of them
         loaded = [load_image(img, f"{field}.image.{i}", self.policy, headers) for i, img in enumerate(images)]

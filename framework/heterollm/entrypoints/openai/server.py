@@ -514,16 +514,16 @@ class OpenAIServer:
         max_tokens = self._max_tokens(len(ids), body.requested_max_tokens(), "messages",
                                       "max_completion_tokens" if body.max_completion_tokens is not None
                                       else "max_tokens")
+        top = (body.top_logprobs or 0) if body.logprobs else None  # the alternatives asked for, or no logprobs
         kv_params = transfer_params(body, 1)
         if kv_params and kv_params.get("reserve"):
             if mm_items:
                 raise BadRequest("kv_transfer_params: a prompt with images is not served disaggregated",
                                  "kv_transfer_params")
-            reserve_checks(body, (body.top_logprobs or 0) if body.logprobs else None)
+            reserve_checks(body, top)
             return await self.kv_routes.reserve(ids)
         if body.use_beam_search:
             return await self._beam_search(request, body, [(None, ids)], max_tokens, "chat.completion")
-        top = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(self.defaults, max_tokens, top, body.requested_prompt_logprobs(), "top_logprobs")
         params.structured_outputs = body.structured_spec()
         self.parsers.prepare(plan, forced, params, body, ids, self.engine.tokenizer)
