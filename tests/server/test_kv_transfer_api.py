@@ -108,6 +108,10 @@ def test_refusals_name_the_field(servers):
                            ).status_code == 200  # asks for nothing
         r = client.post(servers["p"] + "/v1/kv_transfer/release", json={"remote_request_id": 3})
         assert r.status_code == 400 and r.json()["error"]["param"] == "remote_request_id"
+        assert r.json()["error"]["message"] == ("remote_request_id must be a non-empty string (kv_transfer_params."
+                                                "remote_request_id of the prefill answer)")
+        r = client.post(servers["p"] + "/v1/kv_transfer/release", content=b"{not json")
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("the request body is not JSON: ")
         r = client.post(servers["plain"] + "/v1/kv_transfer/release", json={"remote_request_id": "nobody"})
         assert r.json() == {"released": False}
 
@@ -151,6 +155,8 @@ def test_a_reserve_request_is_answered_at_once_or_refused_naming_the_field(serve
         cases = [
             ("/v1/completions", {**COMPLETION, "n": 2}, "n", "one sequence (n = 1, best_of = 1)"),
             ("/v1/completions", {**COMPLETION, "best_of": 2}, "n", "one sequence (n = 1, best_of = 1)"),
+            # D refuses n = 0 too (n must be between 1 and 128): no reservation for it
+            ("/v1/completions", {**COMPLETION, "n": 0}, "n", "one sequence (n = 1, best_of = 1)"),
             ("/v1/completions", {**COMPLETION, "logprobs": 0}, "logprobs", "which sends no logprobs"),
             ("/v1/completions", {**COMPLETION, "prompt_logprobs": 1}, "logprobs", "which sends no logprobs"),
             ("/v1/chat/completions", {**CHAT, "logprobs": True}, "logprobs", "which sends no logprobs"),

@@ -64,7 +64,7 @@ def transfer_params(body: Any, num_prompts: int) -> dict[str, Any] | None:
 def reserve_checks(body: Any, logprobs: int | None) -> None:
     """What a DECODE instance would refuse once the prefill is done, refused before any block is
     reserved (BadRequest-style RequestRejected naming the field)."""
-    if (getattr(body, "n", 1) or 1) != 1 or (getattr(body, "best_of", None) or 1) != 1:
+    if getattr(body, "n", 1) != 1 or getattr(body, "best_of", None) not in (None, 1):  # n = 0 too: D refuses it
         raise RequestRejected("n", "a disaggregated request generates one sequence (n = 1, best_of = 1)")
     if logprobs is not None or getattr(body, "prompt_logprobs", None) is not None:
         raise RequestRejected("logprobs", "a disaggregated request's first token is sampled by the prefill instance, "
