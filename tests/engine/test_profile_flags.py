@@ -92,3 +92,24 @@ def test_flags_need_their_partners():
     assert problems(enable_profile_token_budget=True, max_global_tpot_ms=50) == []
     assert any("--enable_profile_kv_blocks=False: only --enable_latency_aware_schedule" in p
                for p in problems(enable_profile_kv_blocks=False))
+
+
+def test_the_profile_runs_prefills_up_to_profile_max_prompt_length_then_decode_batches(tiny_llama, monkeypatch):
+    """The latency-aware profile's batches, by hand: --profile_max_prompt_length=128 is the smallest
+    of the limits (max_tokens_per_batch 256, max_model_len 512 less 2), so single prefills of
+    128 >> 0, 2, 4, 6, 8 tokens (at least 1) = 1, 2, 8, 32, 128 tokens with one token to generate;
+    then 1, 4 and 16 requests of 32 tokens generating 4 (max_seqs_per_batch allows 16)."""
+    from heterollm.engine import latency_profile
+
+    ran = []
+    real = latency_profile.run_startup_batches
+    monkeypatch.setattr(latency_profile, "run_startup_batches",
+                        lambda engine, batches, gen: (ran.extend(batches), real(engine, batches, gen)))
+    llm = LLM(str(tiny_llama), **FLAGS, enable_latency_aware_schedule=True, max_global_tpot_ms=1000,
+              profile_max_prompt_length=128, enable_profile_kv_blocks=False)
+    try:
+        assert ran == [[(1, 1)], [(2, 1)], [(8, 1)], [(32, 1)], [(128, 1)],
+                       [(32, 4)], [(32, 4)] * 4, [(32, 4)] * 16]
+        assert llm.engine.kv.num_free_blocks == 200
+    finally:
+        llm.shutdown()

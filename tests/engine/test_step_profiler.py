@@ -37,3 +37,25 @@ def test_engine_logs_every_phase(tmp_path, caplog):
 def test_off_by_default(tmp_path):
     folder = build_tiny_model(tmp_path / "m", "llama")
     assert LLM(str(folder), dtype="float32").engine.profiler is None
+
+
+def test_step_lines_and_the_speculative_summary_word_for_word(caplog):
+    """Expected text by hand: the phases in milliseconds, 'draft' counted as sampling; two
+    verifications of 3 drafts each accepting 2 and 1: 3 of 6 accepted is 50.0%, and each step
+    yields its accepted drafts plus one token, (2 + 1) / 2 + 1 = 2.50."""
+    prof = StepProfiler(window=2)
+    with caplog.at_level(logging.DEBUG, logger="heterollm.profile"):
+        prof.record(1, 4, 0.001, {"prepare": 0.002, "forward": 0.004, "sample": 0.001, "draft": 0.002}, 0.0005,
+                    spec=(1, 3, 2))
+        prof.record(1, 4, 0.001, {"prepare": 0.002, "forward": 0.004, "sample": 0.003}, 0.0005, spec=(1, 3, 1))
+    first, second, summary = (r.getMessage() for r in caplog.records)
+    assert first == ("step 1: 1 seqs, 4 tokens, schedule 1.00 prepare 2.00 forward 4.00 sample 3.00 "
+                     "output 0.50, 2/3 drafts accepted")
+    assert second.endswith(", 1/3 drafts accepted")
+    assert summary.endswith("speculative: 6 drafts in 2 verifications, acceptance 50.0%, "
+                            "mean accepted length 2.50 tokens per step")
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="heterollm.profile"):
+        prof.record(1, 1, 0.001, {"forward": 0.002}, 0.001)
+    assert caplog.records[0].getMessage() == ("step 3: 1 seqs, 1 tokens, schedule 1.00 prepare 0.00 forward 2.00 "
+                                              "sample 0.00 output 1.00")

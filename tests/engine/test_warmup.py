@@ -12,8 +12,8 @@ PROMPTS = [[5, 6, 7, 8, 9], list(range(100, 140))]
 
 
 def _run(folder, **flags):
-    llm = LLM(str(folder), dtype="float32", block_size=8, num_gpu_blocks_override=40, max_model_len=128,
-              max_seqs_per_batch=12, **flags)
+    flags = {"max_seqs_per_batch": 12, **flags}
+    llm = LLM(str(folder), dtype="float32", block_size=8, num_gpu_blocks_override=40, max_model_len=128, **flags)
     engine = llm.engine
     try:
         state = (list(engine.warmup_shapes), engine.kv.num_free_blocks, engine.num_blocks,
@@ -55,3 +55,14 @@ def test_use_warmup_is_0_or_1(tiny_llama, value):
 
     with pytest.raises(ConfigError, match="use_warmup"):
         LLM(str(tiny_llama), use_warmup=value)
+
+
+def test_a_batch_of_one_warms_up_one_decoding_request_and_says_so(tiny_llama, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="heterollm"):
+        (shapes, free, total, *_), _ = _run(tiny_llama, use_warmup=1, max_seqs_per_batch=1)
+    # one sequence a step: the decode batch is a single 4-token request
+    assert shapes == [(126, 2), (4, 2)] and free == total
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("warm-up")]
+    assert line.startswith("warm-up (--use_warmup): a 126-token prompt, then 1 requests decoding together, in ")

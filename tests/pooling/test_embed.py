@@ -131,3 +131,16 @@ def test_preemption_and_schedule_overlap_keep_the_vectors(tiny):
                 assert llm.engine.scheduler.num_preemptions > 0
         finally:
             llm.shutdown()
+
+
+def test_an_embedding_launch_warms_up_with_pooling_requests(tiny):
+    """--use_warmup on a launch that cannot generate runs its warm-up as embedding requests: the
+    longest prompt (max_model_len 128 less two) and one 4-token request per KV block (64 of 8,
+    fewer than max_seqs_per_batch), and the vectors afterwards are still transformers'."""
+    llm = make_llm(tiny, use_warmup=1)
+    try:
+        assert llm.engine.warmup_shapes == [(126, 2)] + [(4, 2)] * 64
+        assert llm.engine.kv.num_free_blocks == 64
+        assert_matches(tiny, llm.embed(PROMPTS), PROMPTS, "LAST")
+    finally:
+        llm.shutdown()

@@ -141,3 +141,19 @@ def test_length_penalty_and_eos_over_http(tmp_path, hf, tiny_llama):
         ignoring = post(srv, "/v1/completions", prompt=text, n=3, max_tokens=4, use_beam_search=True,
                         ignore_eos=True).json()
         assert {c["finish_reason"] for c in ignoring["choices"]} == {"length"}
+
+
+def test_a_width_beyond_the_limit_names_n_and_says_the_limit(srv):
+    """The engine's beam_width refusal, worded for the request's own field `n` (MAX_BEAM_WIDTH 10:
+    each round asks for twice the width in logprobs, and 20 is the most a request may ask)."""
+    r = post(srv, "/v1/completions", prompt=PROMPT, max_tokens=3, use_beam_search=True, n=11)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == ("n (with use_beam_search): must be an integer in [1, 10] (each round asks "
+                                            "for 2 x beam_width logprobs, at most 20), got 11")
+
+
+@pytest.mark.parametrize("path, prefix", [("/v1/completions", "cmpl-"), ("/v1/chat/completions", "chatcmpl-")])
+def test_a_beam_search_response_takes_the_request_id(srv, path, prefix):
+    base = {"prompt": PROMPT} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    r = post(srv, path, **base, max_tokens=2, use_beam_search=True, n=2, request_id="beams-7")
+    assert r.status_code == 200 and r.json()["id"] == prefix + "beams-7", r.text

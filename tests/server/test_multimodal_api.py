@@ -156,6 +156,16 @@ def test_data_url_image_answers_as_transformers(request, where, vlm, png, expect
     assert out.usage.prompt_tokens == len(prompt_ids)
 
 
+def test_the_short_form_image_part_answers_as_the_long_form(local, png, expected):
+    """vLLM's short form, `image_url` the URL string itself, is the same image."""
+    r = httpx.post(local.url + "/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, "min_tokens": MAX_TOKENS, "return_token_ids": True,
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": data_url(png)},
+                                                  {"type": "text", "text": TEXT}]}]})
+    assert r.status_code == 200, r.text
+    assert (r.json()["prompt_token_ids"], r.json()["choices"][0]["token_ids"]) == expected
+
+
 def test_streamed_image_chat_equals_transformers(core, png, expected):
     stream = client(core).chat.completions.create(
         model=MODEL, messages=image_chat(data_url(png)), max_tokens=MAX_TOKENS, temperature=0, stream=True,
@@ -200,6 +210,8 @@ def _bad_cases(images) -> list[tuple[dict, str, str]]:
         ({"messages": image_chat(good), "mm_processor_kwargs": {"num_crops": 4}}, "mm_processor_kwargs",
          "num_crops"),
         ({"messages": image_chat(good), "mm_download_headers": {"X": 1}}, "mm_download_headers.X", "string"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": good, "detail": 5}}]}]},
+         "messages.0.content.0.image_url.detail", "must be a string"),
     ]
 
 

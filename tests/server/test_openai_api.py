@@ -265,3 +265,19 @@ def test_cached_tokens_in_usage_and_prefix_cache_metrics(http, client):
     assert metric(text, "heterollm_prefix_cache_queries_total") >= metric(text, "heterollm_prefix_cache_hits_total")
     assert 0 < metric(text, "heterollm_prefix_cache_hit_rate") <= 1
     assert metric(text, "heterollm_prefix_cache_blocks") >= 5
+
+
+def test_streamed_completion_logprobs_count_text_offsets_from_the_start_of_the_completion(client):
+    """Without echo the first token starts at offset 0 and each next one where the text before it
+    ends, across chunks: the stream's offsets are the whole response's."""
+    kwargs = dict(model=MODEL, prompt="Roses are red", max_tokens=6, temperature=0, logprobs=1)
+    whole = client.completions.create(**kwargs).choices[0].logprobs
+    tokens, offsets = [], []
+    for chunk in client.completions.create(**kwargs, stream=True):
+        lp = chunk.choices[0].logprobs
+        if lp is not None:
+            tokens += lp.tokens
+            offsets += lp.text_offset
+    assert tokens == whole.tokens and len(tokens) == 6
+    assert offsets[0] == 0 and offsets == [sum(len(t) for t in tokens[:k]) for k in range(6)]
+    assert offsets == whole.text_offset

@@ -4,6 +4,8 @@ vLLM's shapes against transformers' reranker scores, and bad input (empty, over-
 400s naming the field or --task)."""
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -90,9 +92,18 @@ def test_rerank_and_score_shapes_and_values(rerank_srv, qwen3):
 
 
 def test_embedding_server_scores_by_cosine(embed_srv):
+    before = int(time.time())
     score = httpx.post(embed_srv.url + "/v1/score", json={"text_1": "hello", "text_2": ["hello", "bye"]}).json()
     assert score["data"][0]["score"] == pytest.approx(1.0, abs=1e-5)
     assert score["data"][1]["score"] < 1.0
+    # vLLM's score response: an id, a list object created now, the model, the data and the usage
+    assert set(score) == {"id", "object", "created", "model", "data", "usage"}
+    assert score["id"].startswith("score-") and score["object"] == "list" and score["model"] == MODEL
+    assert before <= score["created"] <= time.time()
+    status, err = error(embed_srv, "/v1/score", {"text_1": "hello", "text_2": "bye", "instruction": "judge"})
+    assert status == 400 and err["param"] == "instruction"
+    assert err["message"] == ("instruction is Qwen3-Reranker's (--enable_qwen3_reranker); an embedding launch "
+                              "scores by cosine")
 
 
 def error(srv, path: str, body: dict) -> tuple[int, dict]:

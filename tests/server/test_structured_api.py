@@ -129,6 +129,10 @@ BAD = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}},
      "response_format", "objec"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex", "only one"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": "yes"}}},
+     "response_format.json_schema.strict", "strict must be a boolean"),
+    ({"structured_outputs": {"regex": "a", "disable_additional_properties": True}},
+     "structured_outputs.disable_additional_properties", "\"additionalProperties\": false"),
 ]
 
 
