@@ -99,6 +99,33 @@ def test_forced_formats_stream_and_keep_completed_calls():
             assert calls_of(got + last.calls) == calls
     named = ChoiceParser(tools_parser=NamedCallFormat("search")).result('{"query": "x", "filters": {"a": [1]}}')
     assert calls_of(named.calls) == [("search", {"query": "x", "filters": {"a": [1]}})] and named.content is None
+    # the object may follow whitespace the grammar let through before it
+    named = ChoiceParser(tools_parser=NamedCallFormat("search")).result(' \n{"query": "y"}')
+    assert calls_of(named.calls) == [("search", {"query": "y"})] and named.content is None
+
+
+def test_forced_tool_choices_constrain_to_compact_json_of_vllms_shape():
+    """A named choice: the function's parameters object (a function without parameters: any object).
+    "required": an array of {"name": one of the names, "parameters": its object}, one item unless
+    parallel_tool_calls. Compact JSON either way, and errors name tool_choice."""
+    from heterollm.entrypoints.openai.tools import forced_spec
+
+    weather = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    bare = {"name": "ping"}
+    named = forced_spec("get_weather", [bare, weather], parallel=True)
+    assert named.json == weather["parameters"] and named.disable_any_whitespace and named.origin == "tool_choice"
+    assert forced_spec("ping", [bare, weather], parallel=True).json == {"type": "object"}
+
+    def item(name, params):
+        return {"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
+                "required": ["name", "parameters"], "additionalProperties": False}
+
+    required = forced_spec("required", [weather, bare], parallel=True)
+    assert required.json == {"type": "array", "minItems": 1,
+                             "items": {"anyOf": [item("get_weather", weather["parameters"]),
+                                                 item("ping", {"type": "object"})]}}
+    assert required.disable_any_whitespace and required.origin == "tool_choice"
+    assert forced_spec("required", [weather], parallel=False).json["maxItems"] == 1
 
 
 PARIS_CALL = ("get_weather", {"city": "Paris", "days": 3})
