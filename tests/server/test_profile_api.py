@@ -9,6 +9,7 @@ import httpx
 
 from conftest import make_engine, serving
 from helpers import TRACED_FORWARD as FORWARD
+from heterollm.profiling import TORCH_TRACE_SUFFIX
 
 
 def operators(path: str) -> set[str]:
@@ -31,3 +32,15 @@ def test_the_http_routes(tiny_llama, tmp_path):
     with serving(make_engine(tiny_llama)) as srv:
         r = httpx.post(f"{srv.url}/start_profile", timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "enable_online_profile", r.text
+
+
+def test_a_profile_still_recording_is_written_when_the_server_stops(tiny_llama, tmp_path):
+    """Started over HTTP and never stopped: the server's shutdown writes it. It used to stop the
+    profiler from the shutdown's thread, not the engine's, and torch crashed the process (SIGSEGV)."""
+    with serving(make_engine(tiny_llama, enable_online_profile=True, profile_dir=str(tmp_path))) as srv:
+        assert httpx.post(f"{srv.url}/start_profile", timeout=60).status_code == 200
+        r = httpx.post(f"{srv.url}/v1/completions", json={"model": "tiny-llama", "prompt": [5, 6, 7], "max_tokens": 3},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+    [trace] = tmp_path.glob("*" + TORCH_TRACE_SUFFIX)
+    assert FORWARD <= operators(str(trace))

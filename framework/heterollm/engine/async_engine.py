@@ -327,6 +327,9 @@ class AsyncEngine:
         self._drain()
         for request_id in list(self._streams):
             self._deliver(request_id, EngineError("the engine shut down"))
+        # here, not in shutdown(): the server's shutdown runs on another thread, and torch's profiler
+        # crashes the process when a thread other than the one that started it stops it
+        self.engine.write_unfinished_profile()
 
 
 class RequestStream:

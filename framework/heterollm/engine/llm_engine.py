@@ -1129,12 +1129,17 @@ class LLMEngine:
                              kv_transfer_params=self._pd_params(parent) if first.kv_hold or first.pd_reservation else None,
                              error=first.error)
 
-    def shutdown(self) -> None:
-        if self._profiling:  # a profile still recording is written, not lost
+    def write_unfinished_profile(self) -> None:
+        """A profile still recording is written, not lost (at shutdown). Call it on the thread that
+        runs the steps: torch's profiler crashes the process (SIGSEGV) when another thread stops it."""
+        if self._profiling:
             try:
                 self.stop_profile()
             except Exception as exc:  # the executor may be what failed
                 logger.warning("could not write the online profile at shutdown: %s", exc)
+
+    def shutdown(self) -> None:
+        self.write_unfinished_profile()
         if self._worker is not None:
             if self._in_flight is not None:
                 self._in_flight[1].exception()  # let the running step end before the executor goes
