@@ -2,6 +2,7 @@
 streaming, logprobs, n > 1, stop strings, usage numbers, /tokenize, /detokenize, /v1/models."""
 from __future__ import annotations
 
+import json
 import math
 import time
 
@@ -141,6 +142,13 @@ def test_chat_and_streaming_chat_agree(client, http):
     assert last.choices == [] and last.usage.prompt_tokens == len(ids)
     assert last.usage.completion_tokens == full.usage.completion_tokens
     assert all(ch.usage is None for ch in chunks[:-1])
+    # on the wire, every choice carries finish_reason (null until the end), the first one too, as OpenAI's
+    with http.stream("POST", "/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 3,
+                                                            "stream": True}) as r:
+        data = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert data[0]["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                   "finish_reason": None}]
+    assert all("finish_reason" in c for d in data for c in d["choices"])
 
 
 def test_chat_logprobs(client):
