@@ -5,6 +5,7 @@ died, and data-parallel routing to the replica with the fewest outstanding token
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -181,9 +182,9 @@ def test_a_request_not_started_within_max_waiting_time_gets_503(long_model):
             busy.close()
 
 
-def test_health_turns_503_after_a_worker_dies(long_model):
+def test_health_turns_503_after_a_worker_dies(long_model, caplog):
     engine = make_engine(long_model, tp_size=2, health_check_interval_ms=200)
-    with serving(engine) as srv:
+    with serving(engine) as srv, caplog.at_level(logging.ERROR, logger="heterollm"):
         assert httpx.get(srv.url + "/health").status_code == 200
         ps = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(os.getpid())], capture_output=True,
                             text=True).stdout.splitlines()
@@ -196,6 +197,10 @@ def test_health_turns_503_after_a_worker_dies(long_model):
         r = httpx.get(srv.url + "/health")
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
         assert "not running" in r.json()["error"]["message"]
+        # the log says why, as /health does
+        why = r.json()["error"]["message"].split("not running: ", 1)[1]
+        assert any(rec.getMessage() == f"the engine cannot go on ({why}): failing every request"
+                   for rec in caplog.records), [rec.getMessage() for rec in caplog.records]
 
 
 def test_data_parallel_routes_to_the_least_loaded_replica(long_model):

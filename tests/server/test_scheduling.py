@@ -54,3 +54,27 @@ def test_a_failed_step_fails_its_requests_only_and_drops_the_prefix_cache(tiny_l
         assert engine.kv.pool.num_cached == 0  # nothing registered by the failed step survives
         assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == want
         assert srv.server.async_engine.alive
+
+
+def test_an_admission_that_fails_unexpectedly_is_a_500_logged_with_its_request(tiny_llama, caplog):
+    """Not a refusal (RequestRejected is a 400): an error raised while admitting is logged with the
+    request's id and traceback, answered 500, and the engine serves on."""
+    import logging
+
+    engine = make_engine(tiny_llama)
+    add = engine.add_request
+
+    def fail_once(*args, **kwargs):
+        engine.add_request = add
+        raise ValueError("injected admission fault")
+    with serving(engine) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+        engine.add_request = fail_once
+        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2, "request_id": "doomed"}
+        with caplog.at_level(logging.ERROR, logger="heterollm"):
+            r = http.post("/v1/completions", json=body)
+        assert r.status_code == 500, r.text
+        assert r.json()["error"]["message"] == "admitting the request failed: injected admission fault"
+        [rec] = [rec for rec in caplog.records if rec.getMessage().startswith("admitting request")]
+        assert rec.getMessage() == "admitting request cmpl-doomed failed" and rec.exc_info[0] is ValueError
+        assert http.post("/v1/completions", json={**body, "request_id": "fine"}).status_code == 200
+        assert srv.server.async_engine.alive
