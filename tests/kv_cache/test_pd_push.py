@@ -343,6 +343,8 @@ def test_both_instances_must_run_the_same_mode_and_bad_params_are_refused(tiny, 
         (p, {**res, "remote_block_ids": [1]}, "remote_block_ids do not cover the prompt"),
         (p, {**res, "cached_blocks": 9}, "remote_block_ids do not cover the prompt"),
         (p, {**res, "block_size": 16}, "block_size 16"),
+        (p, {**res, "remote_block_ids": [10**6] * len(res["remote_block_ids"])},
+         "remote_block_ids name blocks outside the decode instance's cache"),
         (p, {k: v for k, v in res.items() if k != "cached_blocks"}, "not a decode instance's reservation"),
         (d, {"do_remote_prefill": True, "remote_ranks": res["remote_ranks"], "remote_block_ids": [1, 2],
              "first_token_id": 1, "prompt_token_ids": prompts[1], "block_size": 8}, "these params are a PULL"),
@@ -357,6 +359,13 @@ def test_both_instances_must_run_the_same_mode_and_bad_params_are_refused(tiny, 
         with pytest.raises(RequestRejected, match=words) as info:
             engine.add_request(prompts[1], greedy(1), kv_transfer_params=params)
         assert info.value.field == "kv_transfer_params"
+    other = d.reserve_kv(prompts[1])  # claimed with another prompt (tokenized alike on both sides)
+    with pytest.raises(RequestRejected, match=f"reservation '{other['reservation_id']}' was made for another prompt"
+                       ) as info:
+        d.add_request(prompts[0], greedy(1), kv_transfer_params={
+            "do_remote_prefill": True, "reservation_id": other["reservation_id"], "first_token_id": 1,
+            "prompt_token_ids": prompts[0]})
+    assert info.value.field == "kv_transfer_params"
     with pytest.raises(RequestRejected, match="role is PREFILL"):
         p.reserve_kv(prompts[1])
     assert not p.has_unfinished() and not d.has_unfinished()

@@ -147,6 +147,38 @@ def test_metrics_come_from_the_core(core):
     assert float(queries.split()[-1]) > 0
 
 
+def _gauge(text: str, name: str) -> float:
+    return float(next(x for x in text.splitlines() if x.startswith(name + "{")).split()[-1])
+
+
+def test_a_client_gone_mid_stream_aborts_its_request_in_the_core(core):
+    """The API server's abort crosses to the core, which aborts that request (its blocks free, the
+    abort counted) while the core serves on."""
+    text = httpx.get(core.url + "/metrics").text
+    before, generated, cached = (_gauge(text, name) for name in (
+        "heterollm_request_aborts_total", "heterollm_generation_tokens_total", "heterollm_prefix_cache_blocks"))
+    body = {"model": MODEL, "prompt": "an abort through the core", "max_tokens": 240, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http, http.stream("POST", core.url + "/v1/completions", json=body) as r:
+        lines = (line for line in r.iter_lines() if line.startswith("data:"))
+        for _ in range(3):
+            next(lines)
+    deadline = time.monotonic() + 20
+    while True:
+        text = httpx.get(core.url + "/metrics").text
+        if _gauge(text, "heterollm_num_requests_running") == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert _gauge(text, "heterollm_num_requests_running") == 0
+    assert _gauge(text, "heterollm_request_aborts_total") == before + 1
+    assert _gauge(text, "heterollm_generation_tokens_total") == generated  # it never ran to its end
+    assert _gauge(text, "heterollm_kv_cache_usage_perc") == 0
+    # the core stopped it: run to its 240 tokens it would have left ~30 full blocks of 8 in the prefix
+    # cache; aborted a few tokens in, a handful (the bound leaves room for a slow machine)
+    assert _gauge(text, "heterollm_prefix_cache_blocks") - cached < 20
+    assert _post(core.url, {"prompt": "still here", "max_tokens": 3}).json()["usage"]["completion_tokens"] == 3
+
+
 def test_outputs_cross_the_wire_intact():
     lp = TokenLogprobs(5, -0.25, 1, [(5, -0.25), (9, -1.5)])
     out = RequestOutput("r", None, [1, 2], [CompletionOutput(0, "ab", [5], [lp], "stop", "\n", -0.25, "b", [5])],
