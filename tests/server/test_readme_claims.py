@@ -173,6 +173,7 @@ def test_a_request_not_started_within_max_waiting_time_gets_503(long_model):
             waited = time.monotonic() - t0
             assert r.status_code == 503, r.text
             assert r.json()["error"]["type"] == "service_unavailable" and "max_waiting_time" in r.text
+            assert r.json()["error"]["param"] == "request"  # the request as a whole, not one of its fields
             assert 0.9 < waited < 10
             with httpx.stream("POST", srv.url + "/v1/completions", json={**long_body(4), "stream": True},
                               timeout=60) as s:
