@@ -15,6 +15,7 @@ def test_shutdown_ends_every_stream_in_flight_with_an_error(tiny_llama):
                                                    "num_gpu_blocks_override": 64, "max_model_len": 256}).config)
     runner = AsyncEngine(engine)
     runner.start()
+    assert runner._thread.name == "heterollm-engine"  # what a stack dump or py-spy shows
 
     async def run():
         params = SamplingParams(max_tokens=250, temperature=0, ignore_eos=True)

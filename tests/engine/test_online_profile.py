@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -53,12 +54,14 @@ def test_a_profile_records_the_steps_between_start_and_stop(tiny_llama, tmp_path
     assert sorted(p.name.endswith("-rank0.pt.trace.json.gz") for p in tmp_path.iterdir()) == [True, True]
 
 
-def test_misuse_is_refused_with_the_flag_or_the_state(tiny_llama, tmp_path):
+def test_misuse_is_refused_with_the_flag_or_the_state(tiny_llama, tmp_path, caplog):
     plain = LLM(str(tiny_llama), **FLAGS)
     try:
         with pytest.raises(RequestRejected, match="--enable_online_profile") as exc:
             plain.start_profile()
         assert exc.value.field == "enable_online_profile"
+        assert str(exc.value).endswith("online profiling needs --enable_online_profile (and, optionally, "
+                                       "--profile_dir and --profile_backend)")
     finally:
         plain.shutdown()
     llm = LLM(str(tiny_llama), **FLAGS, enable_online_profile=True, profile_dir=str(tmp_path))
@@ -66,12 +69,16 @@ def test_misuse_is_refused_with_the_flag_or_the_state(tiny_llama, tmp_path):
         with pytest.raises(RequestRejected, match="no profile is being recorded"):
             llm.stop_profile()
         llm.start_profile()
-        with pytest.raises(RequestRejected, match="already being recorded"):
+        with pytest.raises(RequestRejected, match="already being recorded") as exc:
             llm.start_profile()
+        assert str(exc.value).endswith("a profile is already being recorded; stop it first")
         assert len(llm.generate([[1, 2, 3]], GREEDY)[0].outputs[0].token_ids) == 4  # the engine goes on
     finally:
-        llm.shutdown()  # a profile still recording is written at shutdown, not lost
-    assert [p.name.endswith(".pt.trace.json.gz") for p in tmp_path.iterdir()] == [True]
+        with caplog.at_level(logging.INFO, logger="heterollm"):
+            llm.shutdown()  # a profile still recording is written at shutdown, not lost
+    [trace] = tmp_path.iterdir()
+    assert trace.name.endswith(".pt.trace.json.gz")
+    assert f"online profile written: {trace}" in [r.getMessage() for r in caplog.records]
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -63,10 +63,13 @@ BODIES = [
     {"prompt": [5, 6, 7, 8, 9], "max_tokens": 10, "temperature": 0.8, "seed": 7, "n": 3},
     {"prompt": "stop early", "max_tokens": 30, "temperature": 0, "stop": [" the", "e"], "ignore_eos": True},
     {"prompt": "json please", "max_tokens": 24, "temperature": 0, "structured_outputs": {"choice": ["yes", "no"]}},
+    # beam search runs in the API server over the core's one-token rounds, and stops beams at the EOS
+    # the server side knows
+    {"prompt": "beams", "max_tokens": 8, "temperature": 0, "use_beam_search": True, "n": 3},
 ]
 
 
-@pytest.mark.parametrize("body", BODIES, ids=["logprobs", "seeded-n3", "stop-strings", "grammar"])
+@pytest.mark.parametrize("body", BODIES, ids=["logprobs", "seeded-n3", "stop-strings", "grammar", "beams"])
 def test_the_core_process_answers_as_the_in_process_engine(core, local, body):
     def strip(answer):
         answer.pop("id"), answer.pop("created")
