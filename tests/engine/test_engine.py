@@ -250,3 +250,18 @@ def test_chat_with_an_image_on_a_text_only_model_is_refused_naming_the_images(ll
     with pytest.raises(RequestRejected, match="text-only") as refused:
         llm.chat(conv, GREEDY)
     assert refused.value.field == "messages.image"
+
+
+def test_offline_priorities_order_the_prompts(tiny):
+    """One sequence a step under priority scheduling: the prompts run lowest priority value first
+    (1, then 2, then 0 for priorities [2, 0, 1]), and the outputs stay in input order."""
+    llm = LLM(str(tiny), dtype="float32", block_size=8, num_gpu_blocks_override=64, max_model_len=128,
+              priority_strategy="priority", max_seqs_per_batch=1)
+    try:
+        prompts = [[5, 6, 7], [8, 9, 10], [11, 12, 13]]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), priority=[2, 0, 1])
+    finally:
+        llm.shutdown()
+    assert [o.prompt_token_ids for o in outs] == prompts
+    finished = [o.metrics.finished_time for o in outs]
+    assert sorted(range(3), key=finished.__getitem__) == [1, 2, 0]
