@@ -128,6 +128,10 @@ def test_bad_token_ids_and_empty_prompt(llm):
         llm.generate([[1, 10**9]], GREEDY)
     with pytest.raises(RequestRejected, match="empty"):
         llm.engine.add_request([], GREEDY)
+    for prompt in ([1, "x"], [True, 2], 3.5):  # not token ids (a bool is no token id either)
+        with pytest.raises(RequestRejected) as exc:
+            llm.engine.add_request(prompt, GREEDY)
+        assert exc.value.field == "prompt" and str(exc.value).endswith("must be a string or a list of token ids")
 
 
 def test_max_model_len_finishes_with_length(llm):

@@ -236,3 +236,4 @@ def test_calls_without_image_support_refuse_images(small_vlm):
     with pytest.raises(RequestRejected) as err:
         small_vlm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=2))
     assert err.value.field == "multi_modal_data"
+    assert str(err.value).endswith("images are taken by generate and chat only (not by embed, score or beam search)")
