@@ -149,6 +149,8 @@ def test_chat_and_streaming_chat_agree(client, http):
     assert data[0]["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                    "finish_reason": None}]
     assert all("finish_reason" in c for d in data for c in d["choices"])
+    assert all(set(d) >= {"id", "object", "created", "model", "choices"} and isinstance(d["created"], int)
+               for d in data)
 
 
 def test_chat_logprobs(client):

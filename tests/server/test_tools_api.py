@@ -181,7 +181,7 @@ BAD = [
         "type": "object", "properties": {"a": {"type": "object", "properties": []}}}}}]},
      "tools.0.function.parameters.properties.a.properties", "object of schemas"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name", "letters"),
-    ({"tools": [{"type": "retrieval"}]}, "tools.0.type", "function"),
+    ({"tools": [{"type": "retrieval"}]}, "tools.0.type", "tools.0.type must be \"function\", got 'retrieval'"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "response_format"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "x", "function": {"name": 3}}]}]},
      "messages.0.tool_calls.0.function", "name"),
@@ -195,6 +195,14 @@ def test_bad_tool_input_is_a_400_naming_the_field(tools_srv, extra, param, words
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"], err
+
+
+def test_parameters_without_a_type_are_an_object_schema(tools_srv):
+    """JSON Schema's default: a parameters schema that names no type is taken (as an object's)."""
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"properties": {"q": {"type": "string"}}}}}
+    body = {"model": MODEL, "messages": MESSAGES, "tools": [tool], "max_tokens": 4}
+    r = httpx.post(f"{tools_srv.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
 
 
 def test_a_server_without_the_flags_names_them(srv):
