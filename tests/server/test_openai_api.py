@@ -247,6 +247,15 @@ def test_metrics_text(http, client):
         assert name in text, name
     value = metric(text, "heterollm_generation_tokens_total")
     assert value >= 3 and math.isfinite(value)
+    # every sample is labelled with the served model's name
+    from prometheus_client.parser import text_string_to_metric_families
+
+    labelled = [(sample.name, sample.labels["model_name"]) for family in text_string_to_metric_families(text)
+                if family.name.startswith("heterollm_") for sample in family.samples if "model_name" in sample.labels]
+    assert {name for name, _ in labelled} >= {"heterollm_e2e_request_latency_seconds_count",
+                                              "heterollm_time_to_first_token_seconds_count",
+                                              "heterollm_requests_total", "heterollm_prompt_tokens_total"}
+    assert {value for _, value in labelled} == {MODEL}
 
 
 def metric(text: str, name: str) -> float:
