@@ -131,8 +131,11 @@ def test_a_push_to_a_dead_peer_ends_that_request_only(prompts, push_instances, c
     p.add_request(prompts[2], SamplingParams(max_tokens=1, temperature=0), request_id="doomed",
                   kv_transfer_params=bad)
     p.add_request(prompts[1], greedy(4), request_id="plain")
-    with caplog.at_level("WARNING", logger="heterollm.kv_cache.pd"):
+    with caplog.at_level("WARNING", logger="heterollm"):
         outs = {o.request_id: o for o in drain(p)}
+    # the engine's line names the request and says why, as its output's error does
+    why = outs["doomed"].error.split("pushing the prompt's KV failed: ", 1)[1]
+    assert f"request doomed: {why}" in caplog.messages
     assert [m for m in caplog.messages if m.startswith("KV push")] and all(
         m.startswith(f"KV push for doomed failed: writing to the decode instance's rank 0 ({dead}) failed")
         for m in caplog.messages if m.startswith("KV push"))
