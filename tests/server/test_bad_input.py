@@ -48,6 +48,9 @@ CASES = [
      "messages.0.content.0.image_url", "required"),
     ("/v1/chat/completions", json.dumps({"messages": MSG, "top_logprobs": 3}).encode(), 400, "top_logprobs",
      "logprobs=true"),
+    # the sampling params' logprobs limit, named by chat's own field
+    ("/v1/chat/completions", json.dumps({"messages": MSG, "logprobs": True, "top_logprobs": 21}).encode(), 400,
+     "top_logprobs", "20"),
     ("/v1/chat/completions", json.dumps({"messages": MSG, "max_completion_tokens": 0}).encode(), 400,
      "max_completion_tokens", ">= 1"),
     ("/v1/chat/completions", json.dumps({"messages": MSG, "model": "nope"}).encode(), 404, "model", "nope"),
