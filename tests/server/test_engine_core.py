@@ -19,6 +19,7 @@ import torch
 
 from conftest import MODEL, free_port, make_engine, serving, serving_cores, spawned_children
 from helpers import free_port_block
+from test_openai_api import metric
 from heterollm.config import ConfigError, load_config
 from heterollm.engine import core_ipc as ipc
 from heterollm.engine.core_client import EngineCoreClient, start_engine_cores
@@ -150,15 +151,11 @@ def test_metrics_come_from_the_core(core):
     assert float(queries.split()[-1]) > 0
 
 
-def _gauge(text: str, name: str) -> float:
-    return float(next(x for x in text.splitlines() if x.startswith(name + "{")).split()[-1])
-
-
 def test_a_client_gone_mid_stream_aborts_its_request_in_the_core(core):
     """The API server's abort crosses to the core, which aborts that request (its blocks free, the
     abort counted) while the core serves on."""
     text = httpx.get(core.url + "/metrics").text
-    before, generated, cached = (_gauge(text, name) for name in (
+    before, generated, cached = (metric(text, name) for name in (
         "heterollm_request_aborts_total", "heterollm_generation_tokens_total", "heterollm_prefix_cache_blocks"))
     body = {"model": MODEL, "prompt": "an abort through the core", "max_tokens": 240, "temperature": 0,
             "ignore_eos": True, "stream": True}
@@ -169,16 +166,16 @@ def test_a_client_gone_mid_stream_aborts_its_request_in_the_core(core):
     deadline = time.monotonic() + 20
     while True:
         text = httpx.get(core.url + "/metrics").text
-        if _gauge(text, "heterollm_num_requests_running") == 0 or time.monotonic() > deadline:
+        if metric(text, "heterollm_num_requests_running") == 0 or time.monotonic() > deadline:
             break
         time.sleep(0.1)
-    assert _gauge(text, "heterollm_num_requests_running") == 0
-    assert _gauge(text, "heterollm_request_aborts_total") == before + 1
-    assert _gauge(text, "heterollm_generation_tokens_total") == generated  # it never ran to its end
-    assert _gauge(text, "heterollm_kv_cache_usage_perc") == 0
+    assert metric(text, "heterollm_num_requests_running") == 0
+    assert metric(text, "heterollm_request_aborts_total") == before + 1
+    assert metric(text, "heterollm_generation_tokens_total") == generated  # it never ran to its end
+    assert metric(text, "heterollm_kv_cache_usage_perc") == 0
     # the core stopped it: run to its 240 tokens it would have left ~30 full blocks of 8 in the prefix
     # cache; aborted a few tokens in, a handful (the bound leaves room for a slow machine)
-    assert _gauge(text, "heterollm_prefix_cache_blocks") - cached < 20
+    assert metric(text, "heterollm_prefix_cache_blocks") - cached < 20
     assert _post(core.url, {"prompt": "still here", "max_tokens": 3}).json()["usage"]["completion_tokens"] == 3
 
 
