@@ -51,6 +51,31 @@ def test_models_health_version(http, client):
     assert http.get("/version").json()["version"]
 
 
+def test_openapi_documents_every_post_body_as_required_json_of_its_request_model(http):
+    """The POST routes read the raw request (to answer a bad body with an OpenAI-style 400 naming the
+    field), so FastAPI cannot infer their bodies: /openapi.json (and /docs) carry each one's request
+    model, as a required JSON body, so a generated client sends it."""
+    from heterollm.entrypoints.openai import pooling, protocol
+    spec = http.get("/openapi.json").json()
+    assert http.get("/docs").status_code == 200
+    routes = {"/v1/completions": protocol.CompletionRequest, "/v1/chat/completions": protocol.ChatCompletionRequest,
+              "/tokenize": protocol.TokenizeRequest, "/detokenize": protocol.DetokenizeRequest,
+              "/v1/embeddings": pooling.EmbeddingRequest, "/v1/rerank": pooling.RerankRequest,
+              "/rerank": pooling.RerankRequest, "/v2/rerank": pooling.RerankRequest,
+              "/v1/score": pooling.ScoreRequest, "/score": pooling.ScoreRequest}
+    for path, model in routes.items():
+        body = spec["paths"][path]["post"]["requestBody"]
+        assert body["required"] is True, path
+        [(kind, content)] = body["content"].items()
+        want = model.model_json_schema()
+        assert kind == "application/json", path
+        assert set(content["schema"]["properties"]) == set(want["properties"]), path
+        assert content["schema"].get("required") == want.get("required"), path
+    assert "messages" in spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"][
+        "application/json"]["schema"]["required"]
+    assert {m for p in ("/health", "/metrics", "/version", "/v1/models") for m in spec["paths"][p]} == {"get"}
+
+
 def test_models_lists_each_served_name_as_openai_and_vllm_describe_a_model(http):
     """OpenAI's Model object (id, object "model", created in seconds, owned_by) with vLLM's additions
     (root: the checkpoint, here the served name as no path was given; parent null; max_model_len:
