@@ -257,3 +257,37 @@ def test_an_allocation_the_os_refuses_names_the_flag_and_leaves_no_reservation(t
                                              "num_gpu_blocks_override": 10**12}).config)
     with reservations.host_registry() as view:
         assert view.mine() == before
+
+
+def test_cached_prefixes_beyond_the_working_set_are_capped_at_the_platforms_idle_budget(tiny, caplog, monkeypatch):
+    """On CPU the cache's pages are committed as blocks fill, so the prefix cache keeps at most
+    `Platform.idle_kv_budget_bytes` (1 GiB) of freed blocks beyond the working set (README, "KV cache
+    and scheduling"): the budget in whole blocks, logged. Lowered here to 3.5 blocks of the tiny llama:
+    2 layers x (K, V) x 2 KV heads x head_dim 16 x 16 slots x 4 bytes = 8,192 bytes a block."""
+    from heterollm import LLM, SamplingParams
+    from heterollm_cpu.platform import CpuPlatform
+    assert CpuPlatform.idle_kv_budget_bytes == 1 << 30
+    per_block = 2 * 2 * 2 * 16 * 16 * 4
+    monkeypatch.setattr(CpuPlatform, "idle_kv_budget_bytes", 3 * per_block + per_block // 2)
+    caplog.set_level(logging.INFO, logger="heterollm.engine")
+    llm = LLM(str(tiny), **SMALL, enable_prefix_cache=True)
+    try:
+        engine = llm.engine
+        assert engine.kv_plan.bytes_per_block == per_block
+        assert engine.kv.pool.idle_limit == 3 and isinstance(engine.kv.pool.idle_limit, int)
+        (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("prefix cache:")]
+        assert line == ("prefix cache: at most 3 freed blocks (0 MiB) stay cached beyond the working set; "
+                        "--max_cache_size lets it use the whole cache")
+        # four prompts one after another, 64 + 8 tokens each: 5 blocks of working set, and no more than
+        # 3 cached ones besides it touched (over 8 without the cap: each prompt takes fresh blocks)
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        for i in range(4):
+            llm.generate([{"prompt_token_ids": [100 + 64 * i + j for j in range(64)]}], params)
+        assert engine.kv.pool.num_touched <= 5 + 3
+    finally:
+        llm.engine.shutdown()
+    capped = LLM(str(tiny), **SMALL, enable_prefix_cache=True, max_cache_size=64 * per_block)
+    try:
+        assert capped.engine.kv.pool.idle_limit is None  # an explicit size: the whole cache
+    finally:
+        capped.engine.shutdown()
