@@ -4,6 +4,7 @@ engine end to end (same greedy tokens, more hits, no leaked blocks, preemption r
 host); the launch checks; a vendor's own "host" connector chosen as models are."""
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 
@@ -318,10 +319,12 @@ def test_a_working_set_larger_than_the_pool_hits_the_host_tier_with_the_same_tok
     assert stats["host_tier_loaded"] == 6 * 5
 
 
-def test_preemption_resumes_from_the_host_tier(tiny):
+def test_preemption_resumes_from_the_host_tier(tiny, caplog):
     """A pool too small for the batch preempts; the preempted requests' blocks spill to the host and
     come back when they resume (FastDeploy's --swap_space)."""
     from heterollm import LLM, SamplingParams
+
+    caplog.set_level(logging.INFO, logger="heterollm.engine")
 
     rng = random.Random(3)
     prompts = [[rng.randrange(100, 20000) for _ in range(33)] for _ in range(4)]
@@ -341,6 +344,10 @@ def test_preemption_resumes_from_the_host_tier(tiny):
     assert got == ref
     assert stats["prefix_host_hits"] > ref_stats["prefix_host_hits"] == 0
     assert free == 20
+    # --swap_space 0.01 GiB in blocks of 2 layers x (K, V) x 2 KV heads x 16 x 8 slots x 4 bytes = 4,096
+    # bytes: 0.01 x 2**30 // 4,096 = 2,621 slots, 10.2 MiB; the launch says so once (the swap run)
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("host KV tier")] == [
+        "host KV tier: 2621 blocks (10 MiB over all ranks) behind the 20-block pool"]
 
 
 def test_launch_checks():
