@@ -68,6 +68,7 @@ EOF
     # from the same copy
     export PYTHONPATH="$work/backends/cpu${PYTHONPATH:+:$PYTHONPATH}"
     export HETEROLLM_CACHE_DIR=${HETEROLLM_CACHE_DIR:-$work/.cache}
+    export PYTHON="$PY"  # the copy has no .venv: scripts/mooncake.sh finds mooncake_master beside this python
     if [ -n "${MUTATION_SAMPLE:-}" ]; then
       # A uniform random sample of the module's mutants (seeded: the same commit and seed give the
       # same sample), for an unbiased kill-rate estimate where the whole module costs core-hours.

@@ -720,3 +720,36 @@ def test_fetch_batches_fit_the_clients_buffer(monkeypatch):
     calls = []
     tier.client.get_batch = lambda keys: calls.append(len(keys)) or [b"x"] * len(keys)
     assert len(tier.fetch([1, 2, 3])[0]) == 3 and calls == [2, 2, 2]
+
+
+@pytest.mark.slow  # a real Mooncake master and two launches (~20 s): the slow CI step
+def test_shutdown_closes_the_store_client_and_its_blocks_leave_the_store(mooncake, tmp_path):
+    """A one-rank instance's client mounts its memory into the store, and the blocks it puts live
+    there: LLM.shutdown closes the client, so those blocks leave with it (README), and a later
+    instance in the same process opens a client of its own and finds none of them."""
+    from heterollm import LLM, SamplingParams
+    from heterollm.kv_cache import store_tier
+
+    master, metadata = mooncake
+    folder = build_tiny_model(tmp_path / "m", "llama")
+    flags = dict(dtype="float32", block_size=8, num_gpu_blocks_override=24, max_model_len=128,
+                 enable_kvcache_store=True, store_master_server_address=master, store_metadata_server=metadata)
+    prompt = [random.Random(2).randrange(100, 20000) for _ in range(45)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    key = (master, metadata, "tcp")
+    first = LLM(str(folder), **flags)
+    try:
+        first.generate([prompt], params)
+        first.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # the step that puts the prompt's blocks
+        assert first.engine.kv_store.put >= 5
+        client = store_tier._CLIENTS[key]
+    finally:
+        first.shutdown()
+    assert key not in store_tier._CLIENTS
+    second = LLM(str(folder), **flags)
+    try:
+        assert store_tier._CLIENTS[key] is not client
+        second.generate([prompt], params)
+        assert second.engine.stats()["prefix_store_hits"] == 0  # 40 (5 blocks of 8) with the client left open
+    finally:
+        second.shutdown()
