@@ -1,9 +1,24 @@
-"""Every CLI error path: one line on stderr naming the flag, exit code 2, no traceback."""
+"""Every CLI error path: one line on stderr naming the flag, exit code 2, no traceback. The table
+runs the CLI's main() in this process (a fresh interpreter costs seconds each, mostly importing
+torch); test_cli_error_in_its_own_process runs a few through `python -m heterollm.entrypoints.cli`."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 
 import pytest
+
+from conftest import CliResult
+
+
+def run_in_process(*args: str) -> CliResult:
+    """The CLI's main() with its stdout and stderr captured: what the process would print and return."""
+    from heterollm.entrypoints.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(list(args))
+    return CliResult(rc, out.getvalue(), err.getvalue())
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -40,24 +55,38 @@ import pytest
     (["nosuchcommand"], "unknown command"),
     (["backends", "--model", "m"], "takes no flags"),
 ])
-def test_cli_error(cli, args, needle):
-    r = cli(*args)
+def test_cli_error(args, needle):
+    check_error(run_in_process(*args), needle)
+
+
+def check_error(r: CliResult, needle: str) -> None:
     assert r.rc == 2, (r.rc, r.out, r.err)
     assert needle in r.err, r.err
     assert "Traceback" not in r.err and "Traceback" not in r.out
     assert r.err.startswith("heterollm: error: ")
 
 
-def test_cli_reports_all_launch_reasons_at_once(cli):
-    r = cli("serve", "--model", "m", "--enable_fused_mc2=2", "--enable_graph_mode_decode_no_padding")
+@pytest.mark.parametrize("args,needle", [
+    (["serve"], "--model is required"),
+    (["config", "--model", "m", "--max_modl_len=5"], "did you mean --max_model_len"),
+    (["serve", "--model", "m", "--device=npu"],
+     "--device=npu: platform npu (heterollm-npu 0.1.0) is not usable here: torch_npu is not installed"),
+])
+def test_cli_error_in_its_own_process(cli, args, needle):
+    """The exit status and stderr of the real process (the console script runs the same main())."""
+    check_error(cli(*args), needle)
+
+
+def test_cli_reports_all_launch_reasons_at_once():
+    r = run_in_process("serve", "--model", "m", "--enable_fused_mc2=2", "--enable_graph_mode_decode_no_padding")
     assert r.rc == 2
     assert "--enable_fused_mc2" in r.err and "--enable_graph_mode_decode_no_padding" in r.err
 
 
-def test_config_prints_sources(cli, tmp_path):
+def test_config_prints_sources(tmp_path):
     p = tmp_path / "c.json"
     p.write_text(json.dumps({"block_size": 64, "max_seqs_per_batch": 3}))
-    r = cli("config", "--model", "m", "--config_json_file", str(p), "--max-num-seqs", "5")
+    r = run_in_process("config", "--model", "m", "--config_json_file", str(p), "--max-num-seqs", "5")
     assert r.rc == 0, r.err
     out = json.loads(r.out)["config"]
     assert out["kv_cache"]["block_size"] == {"value": 64, "source": "json"}
