@@ -45,6 +45,11 @@ def test_ranks_on_one_host_split_it():
     assert plan.kv_bytes == plan.num_blocks * 3 * MiB // 4  # each rank: the same num_blocks x 1/4 MiB
 
 
+def test_a_plan_needs_a_rank_report():
+    with pytest.raises(ValueError, match="^no rank reported its memory$"):
+        plan_kv_cache([], sizing(), {})
+
+
 def test_ranks_on_their_own_devices_each_use_their_device():
     plan = plan_kv_cache([rank("node/npu:0", total=1000 * MiB), rank("node/npu:1", total=800 * MiB)], sizing(), {})
     assert {m.device: m.budget for m in plan.memories} == {"node/npu:0": 500 * MiB, "node/npu:1": 400 * MiB}
@@ -98,6 +103,8 @@ def test_registry_counts_live_processes_only(tmp_path):
     started = reservations.process_started(sleeper.pid)
     try:
         path.write_text(json.dumps({
+            "not-a-pid": {"started": None, "memories": {HOST: 1}},  # damaged entries are skipped, and
+            "12": {"started": None, "memories": {HOST: "many"}},  # the entries after them still read
             str(sleeper.pid): {"started": started, "memories": {HOST: 100}},
             str(gone): {"started": None, "memories": {HOST: 1000}},  # exited
             str(other.pid): {"started": "0", "memories": {HOST: 10000}},  # its pid, since reused
