@@ -121,3 +121,28 @@ def test_overlap_really_overlaps(tiny):
     assert len(out.outputs[0].token_ids) == 8
     assert len(overlapped) >= 8 and all(overlapped)
     llm.shutdown()
+
+
+def test_a_failed_step_raises_the_executors_error(tiny):
+    """The step that fails surfaces when the next one is scheduled (its result is read then); the
+    engine unwinds the step scheduled behind it (Scheduler.unstarted: no KV moves here) and raises
+    the executor's own error, which the server reports."""
+    llm = LLM(str(tiny), **FLAGS, num_gpu_blocks_override=200, enable_schedule_overlap=True)
+    engine = llm.engine
+    execute, calls = engine._execute, []
+
+    def fails_third(so):
+        calls.append(so)
+        if len(calls) == 3:
+            raise RuntimeError("worker died")
+        return execute(so)
+    engine._execute = fails_third
+    try:
+        engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+        with pytest.raises(RuntimeError, match="^worker died$"):
+            for _ in range(10):
+                engine.step()
+        assert len(calls) == 3, "the step scheduled behind the failed one never runs"
+    finally:
+        engine._execute = execute
+        llm.shutdown()
