@@ -6,6 +6,7 @@ the PD flags' launch checks."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 import re
 import socket
@@ -338,7 +339,7 @@ def test_a_pull_keeps_within_the_prefill_instances_hold(prompts, instances, monk
     assert p.release_kv(kv["remote_request_id"])
 
 
-def test_held_blocks_are_freed_when_nobody_releases_them(prompts, instances, monkeypatch):
+def test_held_blocks_are_freed_when_nobody_releases_them(prompts, instances, monkeypatch, caplog):
     import heterollm.scheduler.scheduler as sched
 
     p, _ = instances
@@ -346,9 +347,13 @@ def test_held_blocks_are_freed_when_nobody_releases_them(prompts, instances, mon
     monkeypatch.setattr(sched, "HOLD_TIMEOUT_S", 0.0)
     prefill(p, prompts[1])
     assert p.kv.num_free_blocks < free_p
+    held = list(p.scheduler.held)
     p.add_request([5, 6, 7], greedy(1))  # any later step expires the hold
-    drain(p)
+    with caplog.at_level(logging.WARNING):
+        drain(p)
     assert p.kv.num_free_blocks == free_p and not p.scheduler.held
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("PD:")] == [
+        f"PD: the blocks kept for {rid} were not released within 0 s; freeing them" for rid in held]
 
 
 def test_bad_params_are_refused_naming_the_field(prompts, instances):

@@ -77,9 +77,11 @@ def test_the_decode_instances_prefix_cache_means_fewer_blocks_written(prompts, p
         kv = prefill_into(p, prompt, res)[-1].kv_transfer_params
         outs.append((res["cached_blocks"], p.stats()["kv_push_blocks"] - before))
         d.add_request(prompt, greedy(3), kv_transfer_params=kv)
-        outs[-1] += (drain(d)[-1].outputs[0].token_ids,)
-    (c1, w1, t1), (c2, w2, t2) = outs
+        last = drain(d)[-1]
+        outs[-1] += (last.outputs[0].token_ids, last.metrics.num_cached_tokens)
+    (c1, w1, t1, n1), (c2, w2, t2, n2) = outs
     assert (c2, w2) == (4, 1) and w1 == 5 - c1 and t1 == t2
+    assert (n1, n2) == (c1 * 8, 32), "the decode instance's own prefix-cache hits (blocks of 8), as usage counts them"
 
 
 def test_a_chunked_prefill_pushes_once_its_last_chunk_ran(tiny, prompts, push_instances):
