@@ -325,6 +325,8 @@ def test_a_full_cache_refuses_a_reservation_and_an_aborted_claim_frees_it(prompt
     with pytest.raises(RequestRejected, match="no room for 100 prompt tokens") as info:
         d.reserve_kv(big)
     assert info.value.status == 503
+    ids = {res["reservation_id"] for res in held}
+    assert set(d.kv.tables) == set(d.kv._hashes) == ids, "the refused reservation's prefix lookup is forgotten"
     with pytest.raises(RequestRejected, match="max_model_len 128") as info:
         d.reserve_kv([7] * 128)
     assert info.value.field == "prompt"
