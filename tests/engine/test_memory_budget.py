@@ -116,6 +116,8 @@ def test_registry_counts_live_processes_only(tmp_path):
         with reservations.host_registry(path) as view:
             assert view.mine() == {HOST: 10} and view.others() == {HOST: 100}
         assert set(json.loads(path.read_text())) == {str(sleeper.pid), str(os.getpid())}  # stale entries dropped
+        mine = json.loads(path.read_text())[str(os.getpid())]  # what tells our pid, once reused, apart
+        assert mine == {"started": reservations.process_started(os.getpid()), "memories": {HOST: 10}}
         reservations.release("e1", path)
         reservations.release("e1", path)  # twice: nothing more
         with reservations.host_registry(path) as view:
