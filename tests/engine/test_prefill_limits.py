@@ -75,6 +75,13 @@ def test_prefill_share_and_static_decode_blocks():
     assert scheduled(s) == {"a": (7, 1), "b": (0, 20), "c": (0, 8)}
 
 
+def test_a_long_request_exceeds_the_threshold():
+    """FastDeploy: a request whose token count exceeds long_prefill_token_threshold is long; one of
+    exactly the threshold is not."""
+    lim = PrefillLimits(max_partial=1, max_long_partial=1, long_threshold=8)
+    assert [lim.is_long(n) for n in (7, 8, 9)] == [False, False, True]
+
+
 def test_partial_prefills_pass_over_to_shorter_requests():
     # chunks of 4: a (10 tokens, long over 8) starts part way (4 of 10); b (3) completes in its step;
     # c (12, long) would be a second partial prefill: passed over; d (6, short) too (limit 1)

@@ -850,3 +850,16 @@ def test_every_running_decode_with_drafts_is_scheduled():
     for rid in ("d1", "d2"):
         put_running(s, req(rid, 4), 4, (9,)).spec_token_ids = [5, 6]
     assert shape(s.schedule()) == {"d1": (4, 3), "d2": (4, 3)}
+
+
+def test_in_place_counts_the_accepted_drafts_whose_kv_sits_in_their_slots():
+    """A tree's drafts are written in node order: an accepted path keeps its K/V where it sits only as
+    far as node j is at depth j + 1. Tree: 10 -> 11 -> 12 along nodes 0, 1, 2, and 13 (node 3) a
+    second child of 10."""
+    from heterollm.scheduler.scheduler import in_place
+    drafts, parents = [10, 11, 12, 13], [-1, 0, 1, 0]
+    assert in_place(parents, [10, 11, 12], drafts) == 3
+    assert in_place(parents, [10, 11], drafts) == 2
+    assert in_place(parents, [10, 13], drafts) == 1  # 13 is node 3, not in the slot of depth 2
+    assert in_place(parents, [], drafts) == 0
+    assert in_place(None, [7, 8], [7, 8, 9]) == 2  # a path: every accepted draft is in place
