@@ -650,17 +650,23 @@ print("RESULT " + json.dumps([outs, llm.engine.stats()["prefix_store_hits"]]))
 """
 
 
+def store_llm(folder: Path, master: str, metadata: str):
+    """A tiny-model LLM on the store (the same launch as SECOND's)."""
+    from heterollm import LLM
+    return LLM(str(folder), dtype="float32", block_size=8, num_gpu_blocks_override=24, max_model_len=128,
+               enable_kvcache_store=True, store_master_server_address=master, store_metadata_server=metadata)
+
+
 @pytest.mark.slow  # real etcd / Mooncake timing (3-14 s): run in the slow CI step
 def test_a_second_instance_hits_the_first_ones_blocks(mooncake, tmp_path):
-    from heterollm import LLM, SamplingParams
+    from heterollm import SamplingParams
 
     master, metadata = mooncake
     folder = build_tiny_model(tmp_path / "m", "llama")
     rng = random.Random(1)
     prompts = [[rng.randrange(100, 20000) for _ in range(45)] for _ in range(4)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    first = LLM(str(folder), dtype="float32", block_size=8, num_gpu_blocks_override=24, max_model_len=128,
-                enable_kvcache_store=True, store_master_server_address=master, store_metadata_server=metadata)
+    first = store_llm(folder, master, metadata)
     try:
         outs = [o.outputs[0].token_ids for p in prompts for o in first.generate([p], params)]
         first.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # the step that puts the last prompt's blocks
@@ -727,17 +733,15 @@ def test_shutdown_closes_the_store_client_and_its_blocks_leave_the_store(mooncak
     """A one-rank instance's client mounts its memory into the store, and the blocks it puts live
     there: LLM.shutdown closes the client, so those blocks leave with it (README), and a later
     instance in the same process opens a client of its own and finds none of them."""
-    from heterollm import LLM, SamplingParams
+    from heterollm import SamplingParams
     from heterollm.kv_cache import store_tier
 
     master, metadata = mooncake
     folder = build_tiny_model(tmp_path / "m", "llama")
-    flags = dict(dtype="float32", block_size=8, num_gpu_blocks_override=24, max_model_len=128,
-                 enable_kvcache_store=True, store_master_server_address=master, store_metadata_server=metadata)
     prompt = [random.Random(2).randrange(100, 20000) for _ in range(45)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     key = (master, metadata, "tcp")
-    first = LLM(str(folder), **flags)
+    first = store_llm(folder, master, metadata)
     try:
         first.generate([prompt], params)
         first.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # the step that puts the prompt's blocks
@@ -746,7 +750,7 @@ def test_shutdown_closes_the_store_client_and_its_blocks_leave_the_store(mooncak
     finally:
         first.shutdown()
     assert key not in store_tier._CLIENTS
-    second = LLM(str(folder), **flags)
+    second = store_llm(folder, master, metadata)
     try:
         assert store_tier._CLIENTS[key] is not client
         second.generate([prompt], params)
