@@ -115,6 +115,23 @@ def test_a_running_partial_prefill_counts_until_its_prompt_is_in():
         "a": (8, 2), "c": (0, 4)}
 
 
+def test_a_decoding_request_ahead_does_not_end_the_partial_count():
+    """The count of partial prefills passes over decoding requests wherever they stand in the
+    running list: here d decodes ahead of a, which is part way through its prompt, so c (a second
+    partial prefill) still waits."""
+    lim = PrefillLimits(max_partial=1, max_long_partial=1, long_threshold=100)
+    s = make(64, lim, max_tokens_per_chunk_for_prefill=4)
+    running(s, "d", 5)
+    s.add(req("a", 10)), s.add(req("c", 9))
+    so = s.schedule()  # d decodes; a: 0-4 (partial); c would be a second one
+    assert {it.request_id: it.num_computed_tokens for it in so.requests} == {"d": 5, "a": 0}
+    s.update(so, _none(so))
+    assert [r.request_id for r in s.running] == ["d", "a"]
+    so = s.schedule()  # d decodes; a: 4-8, still partial; c still waits
+    assert {it.request_id: it.num_computed_tokens for it in so.requests} == {"d": 6, "a": 4}
+    assert [r.request_id for r in s.waiting] == ["c"]
+
+
 def _none(so):
     from heterollm.interfaces import RunnerOutput
     return RunnerOutput([it.request_id for it in so.requests], [[7] if it.sample else [] for it in so.requests],
