@@ -97,6 +97,25 @@ def test_prefill_is_shortened_to_keep_the_tpot_target():
     assert s.latency.num_held >= 1
 
 
+def test_decodes_with_drafts_count_their_rows_and_context_in_the_step_time():
+    """A decode verifying drafts is a step row of 1 + drafts query tokens at its context: the prefill
+    chunk admitted beside four of them is the largest the model predicts within the target (their
+    context long enough that leaving it out would admit more)."""
+    s = make(tpot_ms=20)
+    for i in range(4):
+        s.add(req(f"d{i}", 1000))
+    step(s)
+    assert step(s) == {f"d{i}": 1 for i in range(4)}
+    for r in s.running:
+        r.spec_token_ids = [5, 6]
+    s.add(req("long", 2000))
+    so = s.schedule()
+    got = {r.request_id: (len(r.new_token_ids), r.num_computed_tokens) for r in so.requests}
+    assert {rid: got[rid] for rid in got if rid != "long"} == {f"d{i}": (3, 1001) for i in range(4)}
+    n = got["long"][0]
+    assert true_time([(3, 1001)] * 4 + [(n, 0)]) <= 0.020 < true_time([(3, 1001)] * 4 + [(n + 1, 0)])
+
+
 def test_prefill_is_held_back_when_even_a_small_chunk_breaks_the_target():
     s = make(tpot_ms=5)  # decodes alone take ~3.2 ms, 4.2 with a prefill: a 16-token chunk would break 5 ms
     running_decodes(s)
