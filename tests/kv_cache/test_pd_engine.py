@@ -102,6 +102,31 @@ def test_prefill_then_decode_gives_one_instances_tokens_and_frees_every_block(ti
     assert stats["kv_pull_blocks"] == sum(-(-len(x) // 8) for x in prompts) and stats["kv_pull_seconds"] > 0
 
 
+def test_a_request_its_first_token_stops_still_goes_from_prefill_to_decode(prompts, instances):
+    """The PREFILL instance keeps and describes the blocks of a request that its first token stops
+    (finish "stop", not "length"): the router passes every PREFILL answer on, and the DECODE
+    instance ends the request at that same token."""
+    from heterollm import SamplingParams
+
+    p, d = instances
+    prompt = prompts[2]
+    plain = prefill(p, prompt)
+    assert p.release_kv(plain["remote_request_id"])
+    token, free_p, free_d = plain["first_token_id"], p.kv.num_free_blocks, d.kv.num_free_blocks
+    p.add_request(prompt, SamplingParams(max_tokens=1, temperature=0, stop_token_ids=[token]),
+                  kv_transfer_params={"do_remote_decode": True})
+    out = drain(p)[-1]
+    assert out.outputs[0].finish_reason == "stop" and out.kv_transfer_params is not None
+    kv = out.kv_transfer_params
+    assert kv["first_token_id"] == token and len(kv["remote_block_ids"]) == -(-len(prompt) // 8)
+    assert p.kv.num_free_blocks == free_p - len(kv["remote_block_ids"]), "the blocks are kept for the pull"
+    d.add_request(prompt, SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[token]), kv_transfer_params=kv)
+    done = drain(d)[-1].outputs[0]
+    assert done.token_ids == [token] and done.finish_reason == "stop"
+    assert p.release_kv(kv["remote_request_id"])
+    assert p.kv.num_free_blocks == free_p and d.kv.num_free_blocks == free_d
+
+
 def test_the_decode_instances_prefix_cache_skips_blocks_it_holds(prompts, instances):
     p, d = instances
     prompt = prompts[3]  # 39 tokens: 4 full blocks + 7
