@@ -126,6 +126,7 @@ def subscribe(ctx: zmq.Context, endpoint: str, topic: bytes = b"") -> zmq.Socket
 def receive(sub: zmq.Socket, timeout_ms: int = TIMEOUT_MS) -> tuple[bytes, int, bytes]:
     assert sub.poll(timeout_ms), "no batch arrived"
     topic, seq, payload = sub.recv_multipart()
+    assert len(seq) == 8, "vLLM's wire format: the sequence number in 8 bytes, big-endian"
     return topic, int.from_bytes(seq, "big"), payload
 
 
@@ -182,6 +183,7 @@ def request_snapshot(ctx: zmq.Context, endpoint: str) -> tuple[int, KVEventBatch
     assert req.poll(TIMEOUT_MS), "no replay answer"
     seq, payload = req.recv_multipart()
     req.close()
+    assert len(seq) == 8, "vLLM's wire format: the sequence number in 8 bytes, big-endian"
     return int.from_bytes(seq, "big"), DECODE.decode(payload)
 
 
