@@ -563,6 +563,36 @@ def test_open_store_sets_a_client_up_once_per_address(monkeypatch):
         store_tier.open_store(config, 0)
 
 
+def test_close_store_closes_the_addresss_client_once_and_a_failing_close_is_a_warning(monkeypatch, caplog):
+    import logging
+
+    from heterollm.kv_cache import store_tier
+
+    config = cfg("--store_master_server_address", "m:9", "--store_metadata_server", "P2PHANDSHAKE")
+    monkeypatch.setattr(store_tier, "_CLIENTS", {})
+    store_tier.close_store(config)  # no client for the address: nothing to close, no error
+    closed = []
+
+    class Client:
+        def close(self):
+            closed.append(self)
+
+    class Failing:
+        def close(self):
+            raise RuntimeError("the master went away")
+
+    client, other = Client(), Client()
+    store_tier._CLIENTS.update({("m:9", "P2PHANDSHAKE", "tcp"): client, ("n:9", "P2PHANDSHAKE", "tcp"): other})
+    store_tier.close_store(config)
+    store_tier.close_store(config)
+    assert closed == [client] and list(store_tier._CLIENTS.values()) == [other], "once, and only its address's"
+    store_tier._CLIENTS[("m:9", "P2PHANDSHAKE", "tcp")] = Failing()
+    with caplog.at_level(logging.WARNING, logger="heterollm.kv_cache.store"):
+        store_tier.close_store(config)
+    assert [r.getMessage() for r in caplog.records] == ["closing the KV store client: the master went away"]
+    assert list(store_tier._CLIENTS.values()) == [other]
+
+
 def test_rdma_devices_are_the_entries_of_sys_class_infiniband_sorted(monkeypatch):
     import os
 
