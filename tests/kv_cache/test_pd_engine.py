@@ -230,6 +230,58 @@ def test_a_silent_peer_holds_up_only_its_own_request(prompts, instances, abort):
     assert p.release_kv(kv["remote_request_id"])
 
 
+def test_a_move_that_raises_ends_its_request_with_the_exception(prompts, instances, monkeypatch):
+    """A transfer call that raises (a bug, or a transport error the move did not name) fails the move
+    as a named failure does: the request ends with the exception's type and text, every block comes
+    back. The transfer threads are daemons: one stuck on a silent peer never holds up the exit."""
+    p, d = instances
+    conn = d.executor.runner.kv_connectors["mooncake_transfer"]
+    threads = [t for t in threading.enumerate() if t.name.startswith("heterollm-kv-transfer-")]
+    assert threads and all(t.daemon for t in threads)
+
+    def broken(move, push, layers):
+        raise RuntimeError("the transport fell over")
+
+    monkeypatch.setattr(conn, "_move", broken)
+    kv = prefill(p, prompts[1])
+    free_d = d.kv.num_free_blocks
+    d.add_request(prompts[1], greedy(), request_id="raised", kv_transfer_params=kv)
+    out = drain(d)[-1]
+    assert out.request_id == "raised" and out.outputs[0].finish_reason == "error"
+    assert out.error == "pulling the prompt's KV failed: RuntimeError: the transport fell over"
+    assert d.kv.num_free_blocks == free_d and not conn.moving
+    assert p.release_kv(kv["remote_request_id"])
+
+
+def test_closing_with_a_move_still_running_says_so(tiny, prompts, instances, caplog):
+    """Shutting a DECODE instance down while a pull waits on a silent peer: the close does not wait
+    for it, and says why the cache stays registered."""
+    import time
+
+    from heterollm import LLM
+
+    p, _ = instances
+    kv = prefill(p, prompts[2])
+    d = LLM(str(tiny), instance_role="DECODE", kv_cache_transfer_mode="PULL", transfer_listen_port=free_port(),
+            **COMMON).engine
+    with silent_peer() as addr:
+        d.add_request(prompts[2], greedy(), request_id="frozen",
+                      kv_transfer_params={**kv, "remote_ranks": [{**kv["remote_ranks"][0], "addr": addr}]})
+        d.step()
+        assert "frozen" in d.scheduler.transferring
+        move = d.executor.runner.kv_connectors["mooncake_transfer"].moving["frozen"].futures[0]
+        deadline = time.monotonic() + 10
+        while not move.running():  # on a transfer thread, waiting for the peer
+            assert time.monotonic() < deadline and not move.done()
+            time.sleep(0.01)
+        with caplog.at_level(logging.WARNING, logger="heterollm.kv_cache.pd"):
+            d.shutdown()
+    assert [r.getMessage() for r in caplog.records if r.name == "heterollm.kv_cache.pd"] == [
+        "KV transfer: rank 0 closes with transfers still running (a peer that does not answer); its cache "
+        "stays registered until the process ends"]
+    assert p.release_kv(kv["remote_request_id"])
+
+
 def test_pulling_requests_take_their_sequence_slots(prompts, instances, monkeypatch):
     """A pulling request runs once its K/V is in: it counts against --max_seqs_per_batch from its
     admission on, so pulls never make more sequences run than the limit allows."""
@@ -358,8 +410,11 @@ def test_a_pull_keeps_within_the_prefill_instances_hold(prompts, instances, monk
         **kv, "expires_at": time.time() + (move_margin() - 1 if late == "start" else 1000)})
     out = drain(d)[-1]
     assert out.outputs[0].finish_reason == "error"
-    assert ("the prefill instance's hold on the blocks runs out in less than 35 s" if late == "start" else
-            "what was read is dropped") in out.error
+    assert out.error == "pulling the prompt's KV failed: " + (
+        "the prefill instance's hold on the blocks runs out in less than 35 s (held 120 s): its blocks may be "
+        "another request's before the transfer ends, nothing is read" if late == "start" else
+        "the transfer ended after the prefill instance's hold on the blocks ran out: the prefill instance may "
+        "have given the blocks to another request; what was read is dropped")
     assert d.kv.num_free_blocks == free_d and d.stats()["kv_pull_blocks"] == pulled
     assert p.release_kv(kv["remote_request_id"])
 
