@@ -132,6 +132,28 @@ def test_a_chain_goes_device_then_host_then_store_and_each_tier_loads_its_own_bl
     assert m.match_prefix("r2", tokens) == 3 * BS and m.take_transfers() is None, "all on the device now"
 
 
+def test_a_device_only_match_never_asks_the_store():
+    """A PUSH reservation's match (`device_only`): block 0 on the device counts, block 1 in the store
+    neither counts nor is fetched; an ordinary match then finds both."""
+    store = FakeStore()
+    tier = StoreTier(store, "p", ranks=1, batch_size=4, timeout_ms=0)
+    m = KVCacheManager(8, BS, enable_prefix_cache=True, store=tier)
+    tokens = list(range(100, 100 + 2 * BS + 1))
+    h0, h1 = m._chain("x", tokens, 2)
+    store.data[block_key("p", h1, 0)] = b"s1"
+    first = tokens[:BS] + [9999]
+    m.match_prefix("a", first)
+    m.allocate("a", len(first))
+    m.commit("a", first, len(first))
+    m.free("a")  # block 0 stays cached on the device
+    assert m.match_prefix("res", tokens, device_only=True) == BS
+    assert m.host_blocks_past_limit and tier.fetched == 0, "the store was not asked"
+    m.allocate("res", len(tokens))
+    assert m.take_transfers() is None, "nothing to load"
+    m.free("res")
+    assert m.match_prefix("r", tokens) == 2 * BS and tier.fetched == 1
+
+
 def test_a_later_match_forgets_store_blocks_an_earlier_one_fetched():
     """A waiting request matched against the store, then (before its admission) the same blocks came
     onto the device with another request: its next match finds them there and its admission loads

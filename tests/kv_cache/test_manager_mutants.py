@@ -253,6 +253,17 @@ def test_a_refused_allocation_keeps_an_existing_table():
     assert m.tables["a"] == [0] and m.num_free_blocks == 2
 
 
+def test_a_refused_allocation_leaves_no_empty_table_behind():
+    """A table trimmed to nothing, then an allocation refused: the request holds no table at all
+    (the tables count requests: attention DP's least loaded rank is the one with fewest)."""
+    m = kv(num_blocks=3)
+    assert m.allocate("a", 4) == [0]
+    m.trim("a", 0)
+    assert m.tables["a"] == [] and m.num_free_blocks == 3
+    assert m.allocate("a", 13) is None
+    assert "a" not in m.tables and m.num_free_blocks == 3
+
+
 def test_allocate_extends_the_table_the_request_has():
     m = kv(num_blocks=4)
     assert m.allocate("a", 8) == [0, 1]
