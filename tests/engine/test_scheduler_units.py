@@ -863,3 +863,33 @@ def test_in_place_counts_the_accepted_drafts_whose_kv_sits_in_their_slots():
     assert in_place(parents, [10, 13], drafts) == 1  # 13 is node 3, not in the slot of depth 2
     assert in_place(parents, [], drafts) == 0
     assert in_place(None, [7, 8], [7, 8, 9]) == 2  # a path: every accepted draft is in place
+
+
+def test_a_push_reservation_counts_only_the_device_prefix_caches_blocks():
+    """PUSH, DECODE: `reserve` shares what the device prefix cache holds and counts it as cached; a block
+    the KV store holds is neither counted nor loaded (the prefill instance pushes it like any other: a
+    copy scheduled now could land after a cancelled reservation's blocks went to another)."""
+    from heterollm.kv_cache.store_tier import StoreTier, block_key
+
+    class Store:  # Mooncake's get_batch contract: b"" for a missing key
+        def __init__(self):
+            self.data = {}
+
+        def get_batch(self, keys):
+            return [self.data.get(k, b"") for k in keys]
+
+    store = Store()
+    tier = StoreTier(store, "p", ranks=1, batch_size=4, timeout_ms=0)
+    cfg = load_config([], overrides={}).config
+    s = Scheduler(cfg.scheduler, KVCacheManager(16, 4, enable_prefix_cache=True, store=tier), 256, clock=Clock())
+    tokens = list(range(100, 113))  # 3 full blocks and one more token
+    first = tokens[:4] + [999]
+    s.kv.match_prefix("a", first)
+    s.kv.allocate("a", len(first))
+    s.kv.commit("a", first, len(first))
+    s.kv.free("a")  # block 0 stays in the device prefix cache
+    for h in s.kv._chain("x", tokens, 3)[1:]:
+        store.data[block_key("p", h, 0)] = b"kv"
+    cached, table = s.reserve("res", tokens)
+    assert cached == 1 and len(table) == 4, "block 0 shared; the prompt's 13 tokens and the first output token"
+    assert s.reserved["res"][2] == 4 and tier.fetched == 0 and s.kv.take_transfers() is None
