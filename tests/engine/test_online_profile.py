@@ -81,6 +81,21 @@ def test_misuse_is_refused_with_the_flag_or_the_state(tiny_llama, tmp_path, capl
     assert f"online profile written: {trace}" in [r.getMessage() for r in caplog.records]
 
 
+def test_a_profile_that_cannot_be_written_at_shutdown_is_one_warning(tiny_llama, tmp_path, caplog):
+    """The trace folder replaced by a file while a profile records: shutdown still completes, and says
+    why the profile was lost."""
+    folder = tmp_path / "traces"
+    llm = LLM(str(tiny_llama), **FLAGS, enable_online_profile=True, profile_dir=str(folder))
+    llm.start_profile()
+    folder.rmdir()  # empty until the trace is written
+    folder.write_text("not a folder")
+    with caplog.at_level(logging.WARNING, logger="heterollm"):
+        llm.shutdown()
+    [message] = [r.getMessage() for r in caplog.records if "online profile" in r.getMessage()]
+    assert message.startswith(f"could not write the online profile at shutdown: [Errno 20] Not a directory: "
+                              f"'{folder}/heterollm-") and message.endswith("-rank0.pt.trace.json.gz'")
+
+
 @pytest.mark.parametrize("flags,message", [
     ({"enable_online_profile": True, "profile_backend": "cuda"},
      "--profile_backend=cuda: the cpu platform does not offer it (it offers torch: torch.profiler"),
