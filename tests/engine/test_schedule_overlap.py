@@ -146,3 +146,27 @@ def test_a_failed_step_raises_the_executors_error(tiny):
     finally:
         engine._execute = execute
         llm.shutdown()
+
+
+def test_shutdown_with_a_step_in_flight_lets_it_end_first(tiny):
+    """Under --enable_schedule_overlap a step may still run on the worker thread when the engine shuts
+    down: it ends before the executor goes, and a second shutdown is harmless."""
+    import time
+
+    llm = LLM(str(tiny), **FLAGS, num_gpu_blocks_override=200, enable_schedule_overlap=True)
+    engine = llm.engine
+    execute, ended = engine._execute, []
+
+    def slow(so):
+        time.sleep(0.3)
+        out = execute(so)
+        ended.append(so)
+        return out
+
+    engine._execute = slow
+    engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    engine.step()
+    assert engine._in_flight is not None and not ended
+    llm.shutdown()
+    assert len(ended) == 1 and engine._in_flight is None
+    llm.shutdown()
