@@ -152,20 +152,23 @@ def test_a_reserve_request_is_answered_at_once_or_refused_naming_the_field(serve
         for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
             r = client.post(servers["d"] + path, json={**body, **reserve})
             assert r.status_code == 200 and r.json() == {"kv_transfer_params": {"kv_cache_transfer_mode": "PULL"}}, r.text
+        one = "a disaggregated request generates one sequence (n = 1, best_of = 1)"
+        no_lp = ("a disaggregated request's first token is sampled by the prefill instance, which sends no "
+                 "logprobs: logprobs are not served with kv_transfer_params")
         cases = [
-            ("/v1/completions", {**COMPLETION, "n": 2}, "n", "one sequence (n = 1, best_of = 1)"),
-            ("/v1/completions", {**COMPLETION, "best_of": 2}, "n", "one sequence (n = 1, best_of = 1)"),
+            ("/v1/completions", {**COMPLETION, "n": 2}, "n", one),
+            ("/v1/completions", {**COMPLETION, "best_of": 2}, "n", one),
             # D refuses n = 0 too (n must be between 1 and 128): no reservation for it
-            ("/v1/completions", {**COMPLETION, "n": 0}, "n", "one sequence (n = 1, best_of = 1)"),
-            ("/v1/completions", {**COMPLETION, "logprobs": 0}, "logprobs", "which sends no logprobs"),
-            ("/v1/completions", {**COMPLETION, "prompt_logprobs": 1}, "logprobs", "which sends no logprobs"),
-            ("/v1/chat/completions", {**CHAT, "logprobs": True}, "logprobs", "which sends no logprobs"),
-            ("/v1/chat/completions", {**CHAT, "n": 2}, "n", "one sequence"),
+            ("/v1/completions", {**COMPLETION, "n": 0}, "n", one),
+            ("/v1/completions", {**COMPLETION, "logprobs": 0}, "logprobs", no_lp),
+            ("/v1/completions", {**COMPLETION, "prompt_logprobs": 1}, "logprobs", no_lp),
+            ("/v1/chat/completions", {**CHAT, "logprobs": True}, "logprobs", no_lp),
+            ("/v1/chat/completions", {**CHAT, "n": 2}, "n", one),
         ]
-        for path, body, param, words in cases:
+        for path, body, param, message in cases:
             r = client.post(servers["d"] + path, json={**body, **reserve})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
-            assert words in r.json()["error"]["message"]
+            assert r.json()["error"]["message"] == message
         # chat's logprobs=false with top_logprobs unset is no logprobs at all
         r = client.post(servers["d"] + "/v1/chat/completions", json={**CHAT, "logprobs": False, **reserve})
         assert r.status_code == 200, r.text
