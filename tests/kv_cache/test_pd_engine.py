@@ -254,8 +254,9 @@ def test_a_move_that_raises_ends_its_request_with_the_exception(prompts, instanc
 
 
 def test_closing_with_a_move_still_running_says_so(tiny, prompts, instances, caplog):
-    """The transfer engine's launch line names its address. Shutting a DECODE instance down while a pull waits on a silent peer: the close does not wait
-    for it, and says why the cache stays registered."""
+    """The transfer engine's launch line names its address. Shutting a DECODE instance down while a
+    pull waits on a silent peer: the close does not wait for it, and says why the cache stays
+    registered."""
     import time
 
     from heterollm import LLM
@@ -265,16 +266,16 @@ def test_closing_with_a_move_still_running_says_so(tiny, prompts, instances, cap
     with caplog.at_level(logging.INFO, logger="heterollm.kv_cache.pd"):
         d = LLM(str(tiny), instance_role="DECODE", kv_cache_transfer_mode="PULL", transfer_listen_port=free_port(),
                 **COMMON).engine
-    addr = d.executor.runner.kv_connectors["mooncake_transfer"].addr
+    conn = d.executor.runner.kv_connectors["mooncake_transfer"]
     assert [r.getMessage() for r in caplog.records if r.name == "heterollm.kv_cache.pd"] == [
-        f"KV transfer: rank 0 listens on {addr}"]
+        f"KV transfer: rank 0 listens on {conn.addr}"]
     caplog.clear()
     with silent_peer() as addr:
         d.add_request(prompts[2], greedy(), request_id="frozen",
                       kv_transfer_params={**kv, "remote_ranks": [{**kv["remote_ranks"][0], "addr": addr}]})
         d.step()
         assert "frozen" in d.scheduler.transferring
-        move = d.executor.runner.kv_connectors["mooncake_transfer"].moving["frozen"].futures[0]
+        move = conn.moving["frozen"].futures[0]
         deadline = time.monotonic() + 10
         while not move.running():  # on a transfer thread, waiting for the peer
             assert time.monotonic() < deadline and not move.done()
