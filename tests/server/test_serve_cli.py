@@ -36,6 +36,7 @@ def _wait_health(proc: subprocess.Popen, url: str, timeout: float = 120) -> None
     raise AssertionError("serve did not become healthy")
 
 
+@pytest.mark.slow  # a real serve process and a long stream: ~13 s, in CI's slow step
 def test_sigterm_drains_in_flight_then_exits_0(long_model):
     port, metrics_port = free_port(), free_port()
     env = {**os.environ, "HETEROLLM_API_KEY": "k1"}
@@ -165,6 +166,7 @@ def test_a_dead_worker_fails_the_stream_and_serve_exits_1(long_model):
     assert proc.returncode == 1
 
 
+@pytest.mark.slow  # a real serve process and idle waits: ~9 s, in CI's slow step
 def test_rpc_idle_timeout_closes_an_idle_keep_alive_connection(long_model):
     """--rpc_idle_timeout_s 1: a keep-alive connection serves several requests, then the server
     closes it about a second after the last one (uvicorn's own default would wait 5 s)."""

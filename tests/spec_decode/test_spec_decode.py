@@ -292,6 +292,7 @@ def test_rejection_sampling_keeps_the_distribution(models, reference_pairs):
         assert stat < CHI2_CRITICAL_001[df], (flags, stat, df)
 
 
+@pytest.mark.slow  # the check's own planted-bug test (it can fail): ~10 s, in CI's slow step
 def test_skipping_rejection_is_caught(models, reference_pairs, monkeypatch):
     """The same check fails when every draft is accepted (the planted bug): it can fail."""
     import heterollm.model_executor.runner as runner
@@ -392,6 +393,7 @@ def test_tree_rejection_sampling_keeps_the_distribution(models, reference_pairs)
         assert stat < CHI2_CRITICAL_001[df], (stat, df)
 
 
+@pytest.mark.slow  # the check's own planted-bug test (it can fail): ~10 s, in CI's slow step
 def test_tree_rejection_without_residual_is_caught(models, reference_pairs, monkeypatch):
     """Planted bug: a rejected child's token is not taken out of the distribution that the next
     child is tried against and that the final token is drawn from. The same check fails."""
