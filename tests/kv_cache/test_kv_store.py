@@ -20,7 +20,7 @@ from heterollm.config import ConfigError, load_config
 from heterollm.kv_cache import KVCacheManager
 from heterollm.kv_cache.store_tier import StoreTier, block_key, probe_store, store_problems
 
-from helpers import build_tiny_model
+from helpers import FakeStore, build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 BS = 4
@@ -41,16 +41,6 @@ def mooncake(tmp_path_factory):
     master, metadata = out.stdout.split()
     yield master, metadata
     subprocess.run([str(ROOT / "scripts" / "mooncake.sh"), "stop", "--dir", str(folder)], timeout=30)
-
-
-class FakeStore:
-    """A dict with Mooncake's get_batch contract (b"" for a missing key)."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-
-    def get_batch(self, keys):
-        return [self.data.get(k, b"") for k in keys]
 
 
 def test_puts_wait_for_the_step_that_computes_the_block_and_skip_renamed_blocks():
