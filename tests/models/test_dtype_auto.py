@@ -64,3 +64,37 @@ def test_the_engine_runs_the_resolved_dtype(tmp_path):
         assert len(out.outputs[0].token_ids) == 2
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_an_explicit_bf16_without_native_support_runs_and_says_so(tmp_path, monkeypatch, caplog, native):
+    """`--dtype bfloat16` on a CPU without AVX-512-bf16 / AMX (an AVX2-only EPYC): oneDNN has no bf16
+    kernels there, so the linears keep plain bf16 weights for torch's emulated GEMM, the answer comes
+    out, and one warning says it is slower than the float32 `--dtype auto` would pick."""
+    import logging
+
+    from helpers import build_tiny_model
+    from heterollm import LLM, SamplingParams
+    from heterollm_cpu.linear import OneDnnLinear, PackedWeight
+    from heterollm_cpu.platform import CpuPlatform
+
+    monkeypatch.setattr(CpuPlatform, "supports_dtype", lambda self, dtype: native or dtype == "float32")
+    if not native:  # as on an AVX2-only CPU, whatever this one has
+        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    folder = build_tiny_model(tmp_path / "m", "llama")
+    with caplog.at_level(logging.WARNING, logger="heterollm.engine"):
+        llm = LLM(str(folder), dtype="bfloat16", num_gpu_blocks_override=32, max_model_len=64)
+    try:
+        assert llm.engine.dtype == torch.bfloat16
+        warned = [r.getMessage() for r in caplog.records if "no native bfloat16" in r.getMessage()]
+        assert warned == ([] if native else ["--dtype bfloat16: platform cpu has no native bfloat16, so it runs "
+                                             "emulated and slower (--dtype auto picks float32 here)"])
+        layer = llm.engine.executor.runner.model.model.layers[0].mlp.down_proj
+        assert isinstance(layer.method, OneDnnLinear)
+        assert not native or not torch.ops.mkldnn._is_mkldnn_bf16_supported() or isinstance(layer.state, PackedWeight)
+        if not native:
+            assert isinstance(layer.state, torch.Tensor) and layer.state.dtype == torch.bfloat16
+        [out] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        assert len(out.outputs[0].token_ids) == 3
+    finally:
+        llm.shutdown()

@@ -3,7 +3,9 @@
 - `linear.none`: bf16/fp32 weights reordered once into oneDNN's blocked layout, multiplied with
   `mkldnn._linear_pointwise` (what torch.compile's CPU backend does with frozen weights). Measured
   on a 2-core AVX-512-bf16 machine: 1.1-1.4x faster than `F.linear` at 64 rows, up to 2.5x at 1
-  row, because `F.linear` re-packs the weight on every call.
+  row, because `F.linear` re-packs the weight on every call. A CPU without AVX-512 (an AVX2-only
+  AMD EPYC, say) has no oneDNN bf16 kernels: its bf16 weights stay plain tensors for `F.linear`
+  (torch emulates bf16 there; `--dtype auto` picks float32 on such a CPU).
 - `linear.wint8` (`--quantization wint8`): symmetric int8 per output channel,
   `torch._weight_int8pack_mm`.
 - `linear.wint4` (`--quantization wint4`): asymmetric 4-bit in groups of 32 input features
@@ -71,6 +73,8 @@ class OneDnnLinear(LinearMethod):
     def prepare(self, weight: torch.Tensor) -> Any:
         if weight.dtype not in _PACK_HINT or not torch.backends.mkldnn.is_available():
             return weight  # fp16 and builds without oneDNN keep F.linear
+        if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return weight  # oneDNN packs bf16 only with AVX-512 (bw/vl/dq) or AVX-NE-CONVERT: torch's own bf16 GEMM
         return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_HINT[weight.dtype]))
 
     def reload(self, state: Any, weight: torch.Tensor) -> Any:

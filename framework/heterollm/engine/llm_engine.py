@@ -138,6 +138,13 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.device.dtype, self.source.hf_config, self.selection.platform,
                                    self.source.gguf_file is not None)
         """The weight/activation dtype `--dtype` resolves to (the runner resolves it identically)."""
+        if not self.selection.platform.supports_dtype(str(self.dtype).removeprefix("torch.")):
+            # a platform that cannot run the dtype at all refuses it in its validate; this one emulates it
+            auto = resolve_dtype("auto", self.source.hf_config, self.selection.platform,
+                                 self.source.gguf_file is not None)
+            logger.warning("--dtype %s: platform %s has no native %s, so it runs emulated and slower (--dtype auto "
+                           "picks %s here)", config.device.dtype, self.selection.platform.name,
+                           config.device.dtype, str(auto).removeprefix("torch."))
         hf = self.source.hf_config
         max_len = model_max_len(config, hf)
         if config.execution.random_seed >= 0:
