@@ -42,6 +42,23 @@ def test_the_kernels_are_built_here():
     assert kernels.enabled() and kernels.library_path() is not None and kernels.available()
 
 
+def test_a_build_for_another_cpu_is_not_served(monkeypatch):
+    """`-march=native` compiles for this CPU: a library built where AVX-512 exists would die of SIGILL
+    on an AVX2-only CPU sharing the folder, so the build folder's key names the vector extensions (and
+    only those: a flag like `hypervisor` does not force a rebuild)."""
+    import heterollm_cpu.platform as cpu_platform
+
+    flags = cpu_platform._cpu_flags()
+    here = kernels._key()
+    monkeypatch.setattr(cpu_platform, "_cpu_flags", lambda: flags | {"avx512f", "avx512bw", "avx512_bf16"})
+    avx512 = kernels._key()
+    monkeypatch.setattr(cpu_platform, "_cpu_flags", lambda: flags - {"avx512f", "avx512bw", "avx512_bf16"} - {"avx2"})
+    no_avx2 = kernels._key()
+    monkeypatch.setattr(cpu_platform, "_cpu_flags", lambda: flags ^ {"hypervisor"})
+    assert len({here, avx512, no_avx2}) == 3 and kernels._key() == here
+    assert kernels.build_dirs()[0].name == kernels._key()
+
+
 def _reference(q, cache, tables, lens, scale):
     """float64 softmax(q k^T) v over each row's first `len` keys, gathered position by position."""
     kv_heads, block_size = cache.shape[1], cache.shape[3]

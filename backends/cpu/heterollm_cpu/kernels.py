@@ -8,11 +8,11 @@ and `csrc/int8_linear.cpp` the W8A8 linear of `--quantization w8a8` (linear.py),
 through torch.utils.cpp_extension (g++, `-O3 -march=native -ffast-math`: the build targets this CPU's vector units, exp from glibc's
 libmvec).
 The library goes to `_build/<hash>/` next to this file (or under the user's cache when the package
-folder is read-only), where the hash covers the source, torch's version and the flags: an edited
-source or another torch is never served a stale library. Nothing is ever downloaded, and nothing
-is built at serving time: without a built library `available()` is False, attention.py runs its
-torch path and the registry keeps the torch ops (the same numbers, slower), after one log line
-saying how to build it.
+folder is read-only), where the hash covers the source, torch's version, the flags and the CPU's
+vector extensions: an edited source, another torch or another CPU is never served a stale library.
+Nothing is ever downloaded, and nothing is built at serving time: without a built library
+`available()` is False, attention.py runs its torch path and the registry keeps the torch ops (the
+same numbers, slower), after one log line saying how to build it.
 HETEROLLM_CPU_KERNELS=0 turns the kernels off (benchmarks' A/B, a suspected kernel bug).
 """
 from __future__ import annotations
@@ -45,7 +45,18 @@ def _key() -> str:
         h.update(src.read_bytes())
     h.update(torch.__version__.encode())
     h.update(" ".join(CFLAGS + LDFLAGS).encode())
+    # -march=native means this CPU's instructions: a library built on an AVX-512 machine dies of SIGILL
+    # on an AVX2-only one sharing the folder (a copied venv, an image built elsewhere)
+    h.update(" ".join(vector_features()).encode())
     return h.hexdigest()[:16]
+
+
+def vector_features() -> list[str]:
+    """The CPU's vector-instruction flags from /proc/cpuinfo (what `-march=native` compiles for)."""
+    from heterollm_cpu.platform import _cpu_flags
+
+    return sorted(f for f in _cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c", "sse", "ssse", "bmi",
+                                                           "asimd", "sve")))
 
 
 def build_dirs() -> list[Path]:
