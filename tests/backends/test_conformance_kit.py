@@ -32,7 +32,8 @@ SKIPS = {"cpu": ["'cpu' says float16 is not supported"]
                      + ["TemplateAttention does not store an int8 KV cache"] * 2}
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("template", marks=pytest.mark.slow)])  # 12-17 s each
+@pytest.mark.slow  # 12-21 s each: the whole kit in a subprocess (its attention checks also run in test_cpu_attention.py)
+@pytest.mark.parametrize("device", ["cpu", "template"])
 def test_backend_passes_the_kit(device):
     r = run_kit("--heterollm-device", device, "-rs")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]

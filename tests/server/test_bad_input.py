@@ -161,6 +161,7 @@ def fuzz_srv(tiny_llama):
         yield running
 
 
+@pytest.mark.slow  # ~10 s: 150 examples
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), completion=_completion, chat=_chat)
 def test_fuzz_no_5xx(fuzz_srv, path, completion, chat):

@@ -280,6 +280,7 @@ NGRAM_EVERYWHERE = dict(speculative_config='{"method": "ngram", "num_speculative
                                            '"prompt_lookup_min": 1, "prompt_lookup_max": 2}')
 
 
+@pytest.mark.slow  # ~13 s with its fixtures: thousands of draws for the chi-square test
 def test_rejection_sampling_keeps_the_distribution(models, reference_pairs):
     """Deterministic drafts (n-gram, q one-hot) and sampled drafts of another model (q carried):
     the first two tokens are distributed as without speculation."""
@@ -385,6 +386,7 @@ def _second(pairs: dict) -> dict:
     return out
 
 
+@pytest.mark.slow  # ~7 s: thousands of draws for the chi-square test
 def test_tree_rejection_sampling_keeps_the_distribution(models, reference_pairs):
     got, stats = _tree_pairs(models["llama"])
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
