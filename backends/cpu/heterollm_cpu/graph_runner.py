@@ -1,16 +1,18 @@
 """The CPU's graph runner: eager unless `--enable_graph`. With it, decode-only steps run the model
 through `torch.compile` (inductor's C++/OpenMP code): the ~1,500 small torch calls of a step fuse
-into a few dozen loops between the GEMMs. Two graphs serve every decode batch up to the largest
+into a few dozen loops between the GEMMs. One graph serves every decode batch up to the largest
 size `graph_batch_sizes` asks for: the batch and context dimensions the attention metadata names
 (`dynamic_dims`) and the caches' block count are compiled as symbols, not specialized on sizes 0
-and 1, except that a batch of one gets its own graph (dynamo specializes a reshape in the attention
-on it). Prefill and mixed steps stay eager.
+and 1, so a batch of one takes it too. A model whose step views a column slice by the batch size
+makes dynamo guard on `n >= 2` and needs a second graph for a batch of one, which `capture`
+compiles at start-up as well; llama.py's attention slices after its view so that it needs none.
+Prefill and mixed steps stay eager.
 
-Compiling costs about two minutes on 2 cores the first time (`capture` compiles at start-up,
-before the engine takes requests); inductor caches the result on disk (TORCHINDUCTOR_CACHE_DIR), so
-a restart only traces the model again (~15 s). The graph is specialized on torch's thread count:
-changing it afterwards compiles again (`heterollm serve` sets its threads before the warm-up).
-Measured in bench/RESULTS.md (2026-12-04)."""
+Compiling SmolLM2's one graph costs about 40 s on 2 cores the first time (`capture` compiles at
+start-up, before the engine takes requests; bench/RESULTS.md); inductor caches the result on disk
+(TORCHINDUCTOR_CACHE_DIR), so a restart only traces the model again (~15 s). The graph is
+specialized on torch's thread count: changing it afterwards compiles again (`heterollm serve` sets
+its threads before the warm-up). Measured in bench/RESULTS.md (2026-12-04, 2026-12-06)."""
 from __future__ import annotations
 
 import logging
@@ -46,10 +48,11 @@ class CpuGraphRunner(GraphRunner):
         self.num_replays = 0
 
     def capture(self, forward: StepForward, batch_sizes: Sequence[int], make_inputs: DecodeInputs) -> None:
-        """Compile `forward` and build both graphs (a batch of one, and any larger batch) by running
-        decode steps of 2 and 1 sequences. `batch_sizes` is empty without `--enable_graph`: then
-        every step runs eagerly; so does every step of an attention backend whose metadata names
-        no dynamic dimensions (compiled, it would recompile for every new shape)."""
+        """Compile `forward` and build its graph by running a decode step of 2 sequences, then one of 1
+        (a replay of the same graph, or a second graph where the model's step guards on the batch
+        size). `batch_sizes` is empty without `--enable_graph`: then every step runs eagerly; so does
+        every step of an attention backend whose metadata names no dynamic dimensions (compiled, it
+        would recompile for every new shape)."""
         self.compiled, self.max_batch = None, 0
         if not batch_sizes or not make_inputs(1).ctx.metadata.dynamic_dims():
             return

@@ -47,14 +47,15 @@ class DecoderAttention(nn.Module):
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         n = x.shape[0]
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj.matmul(x, self.qkv_proj.bias)  # (n, (h + 2 kv) d)
-        v = qkv[:, (h + kv) * d:].view(n, kv, d)
+        # heads first, then slices: a view of a column slice would make a compiled step guard on n >= 2
+        qkv = self.qkv_proj.matmul(x, self.qkv_proj.bias).view(n, h + 2 * kv, d)
+        v = qkv[:, h + kv:]
         if self.q_norm is None:  # q and k sit side by side: rotate all their heads in one call
-            qk = self.rotate(rope, qkv[:, :(h + kv) * d].view(n, h + kv, d))
+            qk = self.rotate(rope, qkv[:, :h + kv])
             q, k = qk[:, :h], qk[:, h:]
         else:
-            q = self.rotate(rope, self.q_norm(qkv[:, :h * d].view(n, h, d)))
-            k = self.rotate(rope, self.k_norm(qkv[:, h * d:(h + kv) * d].view(n, kv, d)))
+            q = self.rotate(rope, self.q_norm(qkv[:, :h]))
+            k = self.rotate(rope, self.k_norm(qkv[:, h:h + kv]))
         out = self.attn(q, k, v, ctx)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
