@@ -799,3 +799,41 @@ def test_shutdown_closes_the_store_client_and_its_blocks_leave_the_store(mooncak
         assert second.engine.stats()["prefix_store_hits"] == 0  # 40 (5 blocks of 8) with the client left open
     finally:
         second.shutdown()
+
+
+@pytest.mark.slow  # a real Mooncake master and two launches (~15 s): the slow CI step
+def test_a_launch_that_fails_after_the_store_opened_closes_its_client(mooncake, tmp_path, monkeypatch):
+    """The store client opens before the weights load (an unreachable master fails fast); a launch
+    that fails after that (here: planted in the KV cache's sizing) closes the client, so its mounted
+    memory does not stay in the store for the rest of the process, and the next launch opens its own."""
+    from heterollm import SamplingParams
+    from heterollm.config import ConfigError
+    from heterollm.engine.llm_engine import LLMEngine
+    from heterollm.kv_cache import store_tier
+
+    master, metadata = mooncake
+    folder = build_tiny_model(tmp_path / "m", "llama")
+    key = (master, metadata, "tcp")
+    opened = []
+    real_open = store_tier.open_store
+
+    def recording_open(config, segment_bytes):
+        opened.append(real_open(config, segment_bytes))
+        return opened[-1]
+
+    def failing_plan(self, config, max_len):
+        raise ConfigError("planted: sizing failed")
+
+    monkeypatch.setattr("heterollm.engine.llm_engine.open_store", recording_open)
+    with monkeypatch.context() as patch:
+        patch.setattr(LLMEngine, "_plan_kv_cache", failing_plan)
+        with pytest.raises(ConfigError, match="planted"):
+            store_llm(folder, master, metadata)
+    assert len(opened) == 1 and key not in store_tier._CLIENTS
+    second = store_llm(folder, master, metadata)
+    try:
+        assert len(opened) == 2 and store_tier._CLIENTS[key] is opened[1] is not opened[0]
+        [out] = second.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        assert len(out.outputs[0].token_ids) == 3
+    finally:
+        second.shutdown()

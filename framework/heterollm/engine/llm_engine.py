@@ -154,8 +154,11 @@ class LLMEngine:
         self.executor = self.selection.component("executors").create(launch)
         try:
             self._start(config, max_len, dp_rank)
-        except BaseException:  # a half-built engine must not leave worker processes behind
+        except BaseException:  # a half-built engine must leave no worker processes, reservation or store mount behind
             self.executor.shutdown()
+            if getattr(self, "kv_store", None) is not None:
+                close_store(config)
+                self.kv_store = None
             self._release_reservation()
             raise
 
