@@ -89,7 +89,7 @@ def test_an_explicit_bf16_without_native_support_runs_and_says_so(tmp_path, monk
         warned = [r.getMessage() for r in caplog.records if "no native bfloat16" in r.getMessage()]
         assert warned == ([] if native else [
             "--dtype bfloat16: platform cpu has no native bfloat16, so its products run emulated: slower for "
-            "batches, though half the weight bytes can still make one sequence faster (--dtype auto picks float32 "
+            "batches, though fewer weight bytes can still make one sequence faster (--dtype auto picks float32 "
             "here)"])
         layer = llm.engine.executor.runner.model.model.layers[0].mlp.down_proj
         assert isinstance(layer.method, OneDnnLinear)
@@ -100,3 +100,26 @@ def test_an_explicit_bf16_without_native_support_runs_and_says_so(tmp_path, monk
         assert len(out.outputs[0].token_ids) == 3
     finally:
         llm.shutdown()
+
+
+def test_the_warning_promises_nothing_where_the_asked_dtype_is_no_smaller(tmp_path, monkeypatch, caplog):
+    """float16 asked for where only bf16 is native and the checkpoint is bf16: `auto` would pick bf16,
+    of the same size, so the warning says only that it is slower."""
+    import json
+    import logging
+
+    from helpers import build_tiny_model
+    from heterollm import LLM
+    from heterollm_cpu.platform import CpuPlatform
+
+    monkeypatch.setattr(CpuPlatform, "supports_dtype", lambda self, dtype: dtype in ("float32", "bfloat16"))
+    folder = build_tiny_model(tmp_path / "m", "llama")
+    config = json.loads((folder / "config.json").read_text())
+    config["dtype"] = config["torch_dtype"] = "bfloat16"
+    (folder / "config.json").write_text(json.dumps(config))
+    with caplog.at_level(logging.WARNING, logger="heterollm.engine"):
+        llm = LLM(str(folder), dtype="float16", num_gpu_blocks_override=32, max_model_len=64)
+    llm.shutdown()
+    warned = [r.getMessage() for r in caplog.records if "no native" in r.getMessage()]
+    assert warned == ["--dtype float16: platform cpu has no native float16, so its products run emulated: slower "
+                      "(--dtype auto picks bfloat16 here)"]

@@ -142,10 +142,11 @@ class LLMEngine:
             # a platform that cannot run the dtype at all refuses it in its validate; this one emulates it
             auto = resolve_dtype("auto", self.source.hf_config, self.selection.platform,
                                  self.source.gguf_file is not None)
-            logger.warning("--dtype %s: platform %s has no native %s, so its products run emulated: slower for "
-                           "batches, though half the weight bytes can still make one sequence faster (--dtype auto "
-                           "picks %s here)", config.device.dtype, self.selection.platform.name,
-                           config.device.dtype, str(auto).removeprefix("torch."))
+            fewer = self.dtype.itemsize < auto.itemsize  # then a bandwidth-bound single stream may still gain
+            logger.warning("--dtype %s: platform %s has no native %s, so its products run emulated: slower%s "
+                           "(--dtype auto picks %s here)", config.device.dtype, self.selection.platform.name,
+                           config.device.dtype, " for batches, though fewer weight bytes can still make one sequence "
+                           "faster" if fewer else "", str(auto).removeprefix("torch."))
         hf = self.source.hf_config
         max_len = model_max_len(config, hf)
         if config.execution.random_seed >= 0:
