@@ -8,11 +8,15 @@ makes dynamo guard on `n >= 2` and needs a second graph for a batch of one, whic
 compiles at start-up as well; llama.py's attention slices after its view so that it needs none.
 Prefill and mixed steps stay eager.
 
-Compiling SmolLM2's one graph costs about 40 s on 2 cores the first time (`capture` compiles at
-start-up, before the engine takes requests; bench/RESULTS.md); inductor caches the result on disk
-(TORCHINDUCTOR_CACHE_DIR), so a restart only traces the model again (~15 s). The graph is
+The models mark a decoder layer's two halves around its attention as compile regions
+(llama.py's `DecoderLayer.begin` / `finish`): dynamo traces each once and every other layer reuses
+its graph with its own weights (the packed weights are graph inputs: linear.py's `PackedWeight`),
+so inductor lowers and compiles one layer, not 30. Compiling SmolLM2's graph costs about 22 s on 2
+cores the first time (`capture` compiles at start-up, before the engine takes requests; 45 s
+without the regions; bench/RESULTS.md); inductor caches the result on disk (TORCHINDUCTOR_CACHE_DIR),
+so a restart only traces the model again. The graph is
 specialized on torch's thread count: changing it afterwards compiles again (`heterollm serve` sets
-its threads before the warm-up). Measured in bench/RESULTS.md (2026-12-04, 2026-12-06)."""
+its threads before the warm-up). Measured in bench/RESULTS.md (2026-12-04, 2026-12-06, 2026-12-07)."""
 from __future__ import annotations
 
 import logging

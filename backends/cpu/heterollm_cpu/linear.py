@@ -40,8 +40,11 @@ _PACK_HINT = {torch.bfloat16: 1, torch.float32: 64}
 
 class PackedWeight:
     """A weight in oneDNN's opaque blocked layout. torch.compile cannot trace an opaque tensor, so a
-    compiled step reaches it through the `heterollm_cpu::packed_linear` op by its integer key (a
-    constant of the graph); the registry holds the pack only while a layer does."""
+    compiled step reaches it through the `heterollm_cpu::packed_linear` op by `handle`: a tensor input
+    of the graph holding the pack's registry key, (out_features,) with stride 0 over one int64 (its
+    shape gives the op's output width at trace time). Being an input, not a constant, it lets the
+    decoder layers of a model share one compiled region (`compile_region`): the graph of layer 0 runs
+    layer 1 with layer 1's handles. The registry holds the pack only while a layer does."""
 
     _live: weakref.WeakValueDictionary[int, PackedWeight] = weakref.WeakValueDictionary()
     _keys = itertools.count()
@@ -50,6 +53,7 @@ class PackedWeight:
         self.packed = packed
         self.key = next(self._keys)
         self._live[self.key] = self
+        self.handle = torch.full((1,), self.key, dtype=torch.int64).expand(packed.shape[0])
 
     @property
     def nbytes(self) -> int:
@@ -58,13 +62,13 @@ class PackedWeight:
 
 
 @torch.library.custom_op("heterollm_cpu::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, key: int) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, PackedWeight._live[key].packed, None, "none", [], "")
+def packed_linear(x: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, PackedWeight._live[int(handle[0])].packed, None, "none", [], "")
 
 
 @packed_linear.register_fake
-def _packed_linear_shape(x: torch.Tensor, key: int) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], PackedWeight._live[key].packed.shape[0])
+def _packed_linear_shape(x: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], handle.shape[0])
 
 
 class OneDnnLinear(LinearMethod):
@@ -78,7 +82,7 @@ class OneDnnLinear(LinearMethod):
         return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_HINT[weight.dtype]))
 
     def reload(self, state: Any, weight: torch.Tensor) -> Any:
-        """In place: a compiled step reaches the pack by its key, an eager one by the state object."""
+        """In place: a compiled step reaches the pack by its handle, an eager one by the state object."""
         fresh = self.prepare(weight)
         if isinstance(state, PackedWeight) and isinstance(fresh, PackedWeight):
             state.packed = fresh.packed
@@ -92,7 +96,7 @@ class OneDnnLinear(LinearMethod):
         if not isinstance(state, PackedWeight):
             return F.linear(x, state, bias)
         if torch.compiler.is_compiling():
-            y = torch.ops.heterollm_cpu.packed_linear(x, state.key)
+            y = torch.ops.heterollm_cpu.packed_linear(x, state.handle)
             return y if bias is None else y + bias
         return torch.ops.mkldnn._linear_pointwise(x, state.packed, bias, "none", [], "")
 

@@ -1,8 +1,9 @@
 """`--enable_attn_dp_weight_sharding`: under attention data parallelism every rank runs attention
 whole, so each would hold every attention weight; with this flag a rank keeps a 1 / dp share of
-each attention weight's rows between steps, and the attention module all-gathers its weights over
-the DP ranks as it starts and drops them again when it ends (a ZeRO-3-style trade of memory for
-communication: one all-gather per weight and layer). Every rank runs every layer in every step (an
+each attention weight's rows between steps, and the decoder layer all-gathers its attention's weights
+over the DP ranks as it starts and drops them again when it ends (a ZeRO-3-style trade of memory for
+communication: one all-gather per weight and layer; the layer, not its attention module, since a layer
+runs its attention in parts: `DecoderAttention.project` / `attend` / `output`). Every rank runs every layer in every step (an
 idle rank runs its placeholder token), so the gathers line up.
 
 A weight is sharded when it is a 2-D parameter of a module named `self_attn` whose rows divide by
@@ -17,7 +18,8 @@ from heterollm.model_executor.parallel import ParallelContext
 
 
 class _GatheredAttention:
-    """The hooks of one attention module: gather its sharded weights before it runs, drop them after."""
+    """The hooks of one decoder layer: gather its attention's sharded weights before the layer runs, drop
+    them after."""
 
     def __init__(self, params: list[nn.Parameter], pctx: ParallelContext) -> None:
         self.params, self.pctx = params, pctx
@@ -36,7 +38,7 @@ class _GatheredAttention:
 
 def shard_attention_weights(model: nn.Module, pctx: ParallelContext) -> int:
     """Keep this DP rank's share of every shardable attention weight of the loaded `model` and hook
-    each attention module to gather them; returns the bytes a rank no longer holds."""
+    the layer holding each attention module to gather them; returns the bytes a rank no longer holds."""
     dp, rank, saved = pctx.dp_size, pctx.dp_rank, 0
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] != "self_attn":
@@ -51,6 +53,7 @@ def shard_attention_weights(model: nn.Module, pctx: ParallelContext) -> int:
         for sub in module.modules():
             sub.dp_sharded = True  # prepare_linears leaves these layers float
         hooks = _GatheredAttention(params, pctx)
-        module.register_forward_pre_hook(hooks.before)
-        module.register_forward_hook(hooks.after)
+        layer = model.get_submodule(name.rpartition(".")[0])
+        layer.register_forward_pre_hook(hooks.before)
+        layer.register_forward_hook(hooks.after)
     return saved

@@ -102,6 +102,11 @@ class MlaDecoderAttention(nn.Module):
         self.attn = MlaAttention(layer_idx, self.num_heads, self.kv_lora, mla_scale(cfg))
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.output(self.attend(*self.project(rope, x), ctx))
+
+    # the three parts llama's DecoderAttention has (DecoderLayer compiles the outer two as regions)
+    def project(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each head's query in the latent space with its rotated part, the token's latent)."""
         n, h = x.shape[0], self.num_heads
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         q_nope, q_pe = q.view(n, h, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
@@ -113,7 +118,12 @@ class MlaDecoderAttention(nn.Module):
         pe = self.rotary.apply(rope, pe.contiguous())
         query = torch.cat([self.kv_b_proj.absorb_query(q_nope).transpose(0, 1), pe[:, :h]], dim=-1)
         latent = torch.cat([self.kv_a_layernorm(compressed.contiguous()), pe[:, h]], dim=-1)
-        attended = self.attn(query, latent, ctx)  # (n, h, kv_lora)
+        return query, latent
+
+    def attend(self, query: torch.Tensor, latent: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.attn(query, latent, ctx)  # (n, h, kv_lora)
+
+    def output(self, attended: torch.Tensor) -> torch.Tensor:
         return self.o_proj(self.kv_b_proj.expand_value(attended))
 
 

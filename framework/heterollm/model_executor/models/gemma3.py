@@ -15,7 +15,7 @@ from torch import nn
 
 from heterollm.model_executor.layers import (ForwardContext, MergedColumnParallelLinear, RotaryEmbedding,
                                              RowParallelLinear, VocabParallelEmbedding, _copy)
-from heterollm.model_executor.models.llama import DecoderAttention, LlamaForCausalLM
+from heterollm.model_executor.models.llama import DecoderAttention, DecoderLayer, LlamaForCausalLM
 from heterollm.model_executor.parallel import ParallelContext
 
 
@@ -68,8 +68,12 @@ class GemmaDecoderLayer(nn.Module):
         for name in norms:
             setattr(self, name, GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(rope, self.input_layernorm(x), ctx))
+    # DecoderLayer's step and its first compile region; the second has Gemma's four norms
+    forward, begin = DecoderLayer.forward, DecoderLayer.begin
+
+    @torch.compiler.nested_compile_region
+    def finish(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn.output(attn_out))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from heterollm.model_executor.layers import ForwardContext, RMSNorm
+from heterollm.model_executor.layers import RMSNorm
 from heterollm.model_executor.models.llama import DecoderLayer, LlamaForCausalLM
 from heterollm.model_executor.models.phi3 import unfuse
 
@@ -21,8 +21,10 @@ class Glm4DecoderLayer(DecoderLayer):
         self.post_self_attn_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.post_self_attn_layernorm(self.self_attn(rope, self.input_layernorm(x), ctx))
+    @torch.compiler.nested_compile_region
+    def finish(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """DecoderLayer's, with GLM-4's norms after the attention and after the MLP."""
+        x = x + self.post_self_attn_layernorm(self.self_attn.output(attn_out))
         return x + self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(x)))
 
 
