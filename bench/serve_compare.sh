@@ -12,6 +12,8 @@
 #   without torch.compile: starts in ~30 s instead of ~110 s, slower; smoke tests only),
 #   --vllm-start-timeout S (default 300), --heterollm-flags "..." (extra `heterollm serve` flags),
 #   --startup-only (only launch to healthy, no client: needs no vLLM peer; implies --skip-vllm).
+# vLLM serves in the dtype heterollm's --dtype auto resolves to on this CPU (bfloat16 where it is
+# native, else float32, where vLLM's bf16 would run torch's emulated GEMM); VLLM_DTYPE overrides.
 #
 # Each server: launched, timed to its first healthy /health, one short warm-up request, then for
 # each concurrency C `vllm bench serve --backend openai --endpoint /v1/completions --dataset-name
@@ -58,7 +60,7 @@ while [ $# -gt 0 ]; do
         --vllm-start-timeout) VLLM_START_TIMEOUT=$2; shift 2 ;;
         --heterollm-flags) HETEROLLM_FLAGS=$2; shift 2 ;;
         --startup-only) STARTUP_ONLY=1; SKIP_VLLM=1; shift ;;
-        -h | --help) sed -n '2,27p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h | --help) sed -n '2,25p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "unknown flag: $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -198,7 +200,10 @@ if [ "$SKIP_VLLM" = 0 ]; then
     url="http://127.0.0.1:$port"
     eager=()
     [ "$VLLM_EAGER" = 1 ] && eager=(--enforce-eager)
-    start_server vllm "$RESULT_DIR/vllm-server.log" "$VLLM_VENV/bin/vllm" serve "$MODEL_DIR" --dtype bfloat16 \
+    dtype=${VLLM_DTYPE:-$("$PY" -c "from heterollm_cpu.platform import CpuPlatform
+print('bfloat16' if CpuPlatform().supports_dtype('bfloat16') else 'float32')")}
+    log "vLLM in $dtype"
+    start_server vllm "$RESULT_DIR/vllm-server.log" "$VLLM_VENV/bin/vllm" serve "$MODEL_DIR" --dtype "$dtype" \
         --host 127.0.0.1 --port "$port" --served-model-name smollm2 --no-enable-prefix-caching \
         --disable-uvicorn-access-log "${eager[@]}"
     t0=$(now)

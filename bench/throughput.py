@@ -15,7 +15,7 @@ Every engine gets identical random prompts (fixed seed, token ids) and generates
 --output-len tokens (EOS ignored), greedy. transformers runs the whole batch in one `generate` call
 (all prompts have the same length, so no padding is involved). Peers, each in its own venv and
 process, after heterollm has shut down:
-  vllm      `LLM.generate` on all prompts at once, bf16, prefix cache off (bench/peer_vllm.py;
+  vllm      `LLM.generate` on all prompts at once, in heterollm's resolved dtype, prefix cache off (bench/peer_vllm.py;
             ~110 s to start, not counted)
   llamacpp  llama-cpp-python on the Q4_1 GGUF, one prompt after the other (it has no batching)
             (bench/peer_llamacpp.py)
@@ -154,13 +154,16 @@ def main() -> int:
                      "time_s": hf_s, "tokens": hf_tokens, "load_s": hf_load_s})
 
     for p in peers:
-        extra = ["--enforce-eager"] if p == "vllm" and args.vllm_enforce_eager else []
+        eager = p == "vllm" and args.vllm_enforce_eager
+        # vLLM in heterollm's resolved dtype: the same GEMMs' precision (float32 on a CPU without native
+        # bf16, where vLLM's bf16 would run torch's emulated bf16 GEMM: measured 6x slower on AVX2)
+        extra = ["--dtype", dname] + (["--enforce-eager"] if eager else []) if p == "vllm" else []
         r = common.run_peer(p, prompts, args.output_len, extra=extra)
         if r is None:
             continue
-        label = {"vllm": "vLLM", "llamacpp": "llama.cpp (batch 1)"}[p] + (" (eager)" if extra else "")
+        label = {"vllm": "vLLM", "llamacpp": "llama.cpp (batch 1)"}[p] + (" (eager)" if eager else "")
         rows.append({"engine": f"{label} {r.get('version', '')}".strip(),
-                     "weights": "bfloat16" if p == "vllm" else "Q4_1 GGUF", "out_tok_s": r["out_tok_s"],
+                     "weights": r.get("dtype", "bfloat16") if p == "vllm" else "Q4_1 GGUF", "out_tok_s": r["out_tok_s"],
                      "time_s": r["total_s"], "tokens": r["output_tokens"], "load_s": r.get("load_s"),
                      "ttft_ms": 1000 * r["mean_ttft_s"] if r.get("mean_ttft_s") else None,
                      "tpot_ms": 1000 * r["mean_tpot_s"] if r.get("mean_tpot_s") else None, "command": r["command"]})
