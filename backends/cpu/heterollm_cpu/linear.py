@@ -23,6 +23,7 @@ products; measured on 2 AMD EPYC vCPUs: a prefill's linears 1.4x faster than bf1
 from __future__ import annotations
 
 import itertools
+import logging
 import weakref
 from typing import Any
 
@@ -33,6 +34,9 @@ from heterollm.model_executor import ops
 from heterollm.model_executor.linear_method import LinearMethod
 from heterollm.model_executor.quant_linear import QuantizedLinearMethod, QuantizedWeight
 from heterollm_cpu import kernels
+from heterollm_cpu.platform import _cpu_flags
+
+logger = logging.getLogger("heterollm.cpu.linear")
 
 # oneDNN picks its blocked layout for a batch-size hint; measured best overall: 1 for bf16, 64 for fp32
 _PACK_HINT = {torch.bfloat16: 1, torch.float32: 64}
@@ -173,11 +177,23 @@ def w8a8_reference(x: torch.Tensor, codes: torch.Tensor, w_scale: torch.Tensor,
     return y.to(x.dtype).reshape(*x.shape[:-1], codes.shape[0])
 
 
+_INT8_DOT = {"avx512_vnni", "avx_vnni", "amx_int8"}
+"""x86 flags of the int8 dot-product instructions oneDNN's s8s8 GEMM (torch._int_mm) is built on."""
+
+
 class DynamicInt8(LinearMethod):
     """W8A8: int8 weights (per output channel) times int8 activations (per token, quantized at each
     call). Only the int8 codes are kept: a tied embedding keeps its own float weight (prepare_linears)."""
 
     name = "w8a8"
+
+    def __init__(self) -> None:  # once per model load (select_linear_method)
+        flags = _cpu_flags()
+        if "avx2" in flags and not flags & _INT8_DOT:
+            logger.warning("--quantization w8a8: this CPU has no int8 dot-product instructions (VNNI or AMX-int8), "
+                           "so torch's int8 GEMM runs a reference loop: expect it ~20x slower than float32 (measured "
+                           "on an AVX2-only AMD EPYC, bench/RESULTS.md); wint8 keeps the int8 weights with float "
+                           "activations")
 
     def prepare(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if weight.dtype not in (torch.float32, torch.bfloat16):
