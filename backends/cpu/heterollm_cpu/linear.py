@@ -47,8 +47,9 @@ class PackedWeight:
     compiled step reaches it through the `heterollm_cpu::packed_linear` op by `handle`: a tensor input
     of the graph holding the pack's registry key, (out_features,) with stride 0 over one int64 (its
     shape gives the op's output width at trace time). Being an input, not a constant, it lets the
-    decoder layers of a model share one compiled region (`compile_region`): the graph of layer 0 runs
-    layer 1 with layer 1's handles. The registry holds the pack only while a layer does."""
+    decoder layers of a model share one compiled region (llama.py's `DecoderLayer.begin` / `finish`):
+    the graph traced for layer 0 runs layer 1 with layer 1's handles. The registry holds the pack only
+    while a layer does."""
 
     _live: weakref.WeakValueDictionary[int, PackedWeight] = weakref.WeakValueDictionary()
     _keys = itertools.count()

@@ -2,9 +2,10 @@
 whole, so each would hold every attention weight; with this flag a rank keeps a 1 / dp share of
 each attention weight's rows between steps, and the decoder layer all-gathers its attention's weights
 over the DP ranks as it starts and drops them again when it ends (a ZeRO-3-style trade of memory for
-communication: one all-gather per weight and layer; the layer, not its attention module, since a layer
-runs its attention in parts: `DecoderAttention.project` / `attend` / `output`). Every rank runs every layer in every step (an
-idle rank runs its placeholder token), so the gathers line up.
+communication: one all-gather per weight and layer). The hooks sit on the layer, not on its
+attention module, because a layer runs its attention in parts (`DecoderAttention.project` /
+`attend` / `output`). Every rank runs every layer in every step (an idle rank runs its placeholder
+token), so the gathers line up.
 
 A weight is sharded when it is a 2-D parameter of a module named `self_attn` whose rows divide by
 dp; the others (norms, biases, a weight of odd size) stay whole. Sharded linear layers keep float
