@@ -56,9 +56,9 @@ class PackedWeight:
 
     def __init__(self, packed: torch.Tensor) -> None:
         self.packed = packed
-        self.key = next(self._keys)
-        self._live[self.key] = self
-        self.handle = torch.full((1,), self.key, dtype=torch.int64).expand(packed.shape[0])
+        key = next(self._keys)  # kept only in the handle: the op reads it back from there
+        self._live[key] = self
+        self.handle = torch.full((1,), key, dtype=torch.int64).expand(packed.shape[0])
 
     @property
     def nbytes(self) -> int:
