@@ -163,7 +163,17 @@ def test_w8a8_warns_on_an_x86_cpu_without_int8_dot_products(monkeypatch, caplog,
         == warned
 
 
-def test_wint4_reproduces_q4_1_weights_exactly():
+@pytest.fixture(params=["kernel", "torch"])
+def int4_path(request, monkeypatch):
+    """wint4 on the C++ kernel (`heterollm_cpu::int4_linear`) or on torch's int4 kernel (no CPU kernels built)."""
+    if request.param == "kernel" and not kernels.available():
+        pytest.skip("CPU kernels not built")
+    if request.param == "torch":
+        monkeypatch.setattr(kernels, "available", lambda: False)
+    return request.param
+
+
+def test_wint4_reproduces_q4_1_weights_exactly(int4_path):
     """Weights that are already 4-bit per group of 32 (as a dequantized Q4_1 GGUF is) survive
     wint4 unchanged: the result equals F.linear up to fp32 rounding."""
     torch.manual_seed(0)
@@ -174,11 +184,13 @@ def test_wint4_reproduces_q4_1_weights_exactly():
     w = (codes * scale + low).view(n, k)
     x = torch.randn(3, k)
     method = WeightOnlyInt4()
-    y = method.apply(method.prepare(w), x, None)
+    state = method.prepare(w)
+    assert len(state) == (4 if int4_path == "kernel" else 3)
+    y = method.apply(state, x, None)
     torch.testing.assert_close(y, F.linear(x, w), atol=1e-3, rtol=1e-4)
 
 
-def test_wint4_error_on_random_weights_and_bias():
+def test_wint4_error_on_random_weights_and_bias(int4_path):
     torch.manual_seed(0)
     w, b, x = torch.randn(64, 96, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16), torch.randn(
         4, 96, dtype=torch.bfloat16)
@@ -187,16 +199,56 @@ def test_wint4_error_on_random_weights_and_bias():
     assert 0.005 < err < 0.12
 
 
+@pytest.mark.skipif(not kernels.available(), reason="CPU kernels not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 32, 33, 100])  # tiles of 4 rows and their tails; > 32: dequantize + GEMM
+@pytest.mark.parametrize("n, k, group", [(40, 64, 32), (96, 256, 128), (24, 192, 64)])
+def test_int4_kernel_is_the_dequantized_weights_product(dtype, rows, n, k, group):
+    """`heterollm_cpu::int4_linear` against F.linear on the weight its codes stand for (in float64): any
+    output width, groups wider than the 32-feature block, the bias added, x's dtype kept."""
+    from heterollm_cpu.linear import dequantize_int4_blocks, pack_int4_blocks
+
+    torch.manual_seed(rows)
+    codes = torch.randint(0, 16, (n, k))
+    scale, low = torch.rand(n, k // group) * 0.1 + 0.01, torch.randn(n, k // group)
+    packed = pack_int4_blocks(codes)
+    w = dequantize_int4_blocks(packed, scale, low, group)
+    torch.testing.assert_close(w, (codes.float().view(n, -1, group) * scale[..., None] + low[..., None]).view(n, k))
+    x, bias = torch.randn(rows, k, dtype=dtype), torch.randn(n, dtype=dtype)
+    for b in (None, bias):
+        y = torch.ops.heterollm_cpu.int4_linear(x.view(1, rows, k), packed, scale, low, group, b)
+        assert y.shape == (1, rows, n) and y.dtype == dtype
+        ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+        tol = 1e-4 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(y[0].double(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="CPU kernels not built")
+def test_int4_kernel_traces_under_torch_compile():
+    """The op has a shape rule: a compiled step (--enable_graph) takes it into its graph."""
+    torch.manual_seed(0)
+    method = WeightOnlyInt4()
+    state = method.prepare(torch.randn(48, 64))
+    x = torch.randn(3, 64)
+    compiled = torch.compile(lambda t: method.apply(state, t, None), backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), method.apply(state, x, None))
+
+
 def test_wint4_needs_group_multiple():
     with pytest.raises(ValueError, match="wint4.*not a multiple of the group size 32"):
         WeightOnlyInt4().prepare(torch.randn(8, 40))
 
 
-def test_wint4_names_output_rows_the_kernel_cannot_pack():
+def test_wint4_names_output_rows_the_kernel_cannot_pack(int4_path):
     """torch's int4 packing takes rows in sixteens: a layer of 40 (a tiny MLA latent) is refused with
-    its size, not a kernel RuntimeError."""
-    with pytest.raises(ValueError, match="wint4: out_features 40 is not a multiple of 16"):
-        WeightOnlyInt4().prepare(torch.randn(40, 64))
+    its size, not a kernel RuntimeError. The C++ kernel takes any width."""
+    if int4_path == "torch":
+        with pytest.raises(ValueError, match="wint4: out_features 40 is not a multiple of 16"):
+            WeightOnlyInt4().prepare(torch.randn(40, 64))
+    else:
+        method = WeightOnlyInt4()
+        x = torch.randn(2, 64)
+        assert method.apply(method.prepare(torch.randn(40, 64)), x, None).shape == (2, 40)
     WeightOnlyInt4().prepare(torch.randn(48, 64))
 
 

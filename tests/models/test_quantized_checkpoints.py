@@ -64,7 +64,7 @@ def test_greedy_and_logprobs_match_dequantized_reference(checkpoint):
         assert isinstance(qkv.method, CheckpointFp8)
     else:
         assert isinstance(qkv.method, CheckpointInt4) and isinstance(qkv.state, tuple)
-        assert (qkv.state[3] is not None) == (name == "gptq_desc_act")  # act-order gathers x's columns
+        assert (qkv.state[-1] is not None) == (name == "gptq_desc_act")  # act-order gathers x's columns
     assert qkv.weight is None and qkv.qcodes.numel() == 0  # the loaded tensors were released
 
 

@@ -9,7 +9,8 @@
 - `linear.wint8` (`--quantization wint8`): symmetric int8 per output channel,
   `torch._weight_int8pack_mm`.
 - `linear.wint4` (`--quantization wint4`): asymmetric 4-bit in groups of 32 input features
-  (scale and minimum per group, like GGUF's Q4_1), `torch._weight_int4pack_mm_for_cpu`.
+  (scale and minimum per group, like GGUF's Q4_1), the C++ op `heterollm_cpu::int4_linear`
+  (csrc/int4_linear.cpp), or `torch._weight_int4pack_mm_for_cpu` where the kernels are not built.
 - `linear.w8a8` (`--quantization w8a8`): the weights as `wint8`'s (symmetric int8 per output channel,
   fp32 scales), the activations quantized to int8 per row at each call, an int8 GEMM (`torch._int_mm`,
   oneDNN's s8s8 kernel on the CPU's VNNI / AMX-int8 units), then both scales applied: the C++ op
@@ -129,31 +130,62 @@ class WeightOnlyInt8(LinearMethod):
         return y if bias is None else y + bias
 
 
+def pack_int4_blocks(codes: torch.Tensor) -> torch.Tensor:
+    """(N, K) codes in [0, 15] -> (N, K / 2) uint8 in `heterollm_cpu::int4_linear`'s order: per block of 32
+    input features, byte j holds feature j in its low nibble and feature j + 16 in its high one."""
+    n, k = codes.shape
+    blocks = codes.to(torch.uint8).view(n, k // 32, 32)
+    return (blocks[..., :16] | (blocks[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+
+
 class WeightOnlyInt4(LinearMethod):
+    """4-bit codes per group of 32 input features, w = code * scale + min (GGUF's Q4_1). With the
+    CPU kernels built (x86 with AVX2 + FMA, or the kernel's scalar loop elsewhere) the C++ op
+    `heterollm_cpu::int4_linear` (csrc/int4_linear.cpp) multiplies straight from the codes: measured
+    on 2 AMD EPYC (AVX2) vCPUs, a 1536 x 576 layer at one row takes 54 us against torch's
+    `_weight_int4pack_mm_for_cpu` 900 us and the fp32 GEMM 91 us (bench/RESULTS.md). Without them,
+    torch's int4 kernel (which takes output rows in sixteens only)."""
+
     name = "wint4"
     group_size = 32
 
-    def prepare(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def prepare(self, weight: torch.Tensor) -> tuple:
         n, k = weight.shape
         gs = self.group_size
         if k % gs:
             raise ValueError(f"--quantization=wint4: in_features {k} is not a multiple of the group size {gs}")
-        if n % 16:  # torch's int4 CPU packing takes output rows in sixteens
-            raise ValueError(f"--quantization=wint4: out_features {n} is not a multiple of 16")
+        use_kernel = kernels.available()
+        if n % 16 and not use_kernel:  # torch's int4 CPU packing takes output rows in sixteens
+            raise ValueError(f"--quantization=wint4: out_features {n} is not a multiple of 16 (torch's int4 kernel; "
+                             "the CPU kernels, `python -m heterollm_cpu.kernels`, take any)")
         w = weight.float().view(n, k // gs, gs)
         low, high = w.amin(-1), w.amax(-1)
         scale = ((high - low) / 15).clamp(min=1e-12)
         codes = ((w - low[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.int32).view(n, k)
+        if use_kernel:
+            return pack_int4_blocks(codes), scale.contiguous(), low.contiguous(), gs
         packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
         # the kernel computes (code - 8) * scale + zero, so zero = low + 8 * scale
         scales_and_zeros = torch.stack([scale.t(), (low + 8 * scale).t()], -1).contiguous()  # (k / gs, n, 2)
         return packed, scales_and_zeros.to(weight.dtype), gs
 
-    def apply(self, state: tuple[torch.Tensor, torch.Tensor, int], x: torch.Tensor,
-              bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, state: tuple, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if len(state) == 4:  # prepared for the C++ kernel
+            codes, scale, low, gs = state
+            if x.dtype in (torch.float32, torch.bfloat16) and (bias is None or bias.dtype == x.dtype):
+                return torch.ops.heterollm_cpu.int4_linear(x, codes, scale, low, gs, bias)
+            return F.linear(x, dequantize_int4_blocks(codes, scale, low, gs).to(x.dtype), bias)
         packed, scales_and_zeros, gs = state
         y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), packed, gs, scales_and_zeros)
         return y if bias is None else y + bias
+
+
+def dequantize_int4_blocks(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, gs: int) -> torch.Tensor:
+    """The fp32 weight of `pack_int4_blocks`' codes: (N, K) = code * scale + min per group."""
+    n = codes.shape[0]
+    blocks = codes.view(n, -1, 16)
+    q = torch.cat([blocks & 0x0F, blocks >> 4], -1).view(n, -1, gs).float()  # (n, k / gs, gs)
+    return (q * scale[..., None] + low[..., None]).view(n, -1)
 
 
 def w8a8_reference(x: torch.Tensor, codes: torch.Tensor, w_scale: torch.Tensor,
@@ -215,9 +247,10 @@ _INT4_GROUPS = (256, 128, 64, 32)  # the group sizes torch's int4 CPU kernel tak
 
 class CheckpointInt4(QuantizedLinearMethod):
     """GPTQ and AWQ checkpoints (`quantized_linear.gptq`, `quantized_linear.awq`) on the int4 kernel of `wint4`: their
-    w = (code - zero) * scale per group is the kernel's (code - 8) * scale + (8 - zero) * scale, so the
-    codes go in unchanged. A group wider than the kernel's repeats its scale over several kernel
-    groups; GPTQ act-order permutes the input features into contiguous groups once, here, and each
+    w = (code - zero) * scale per group is the C++ kernel's code * scale + min with min = -zero * scale
+    (any group of a multiple of 32 features), or torch's (code - 8) * scale + (8 - zero) * scale where
+    the CPU kernels are not built, so the codes go in unchanged. A group wider than torch's kernel's
+    repeats its scale over several kernel groups; GPTQ act-order permutes the input features into contiguous groups once, here, and each
     call gathers x's columns in that order. A layer whose groups fit no kernel group size (input
     features not a multiple of 32) is dequantized to the compute dtype instead."""
 
@@ -233,6 +266,9 @@ class CheckpointInt4(QuantizedLinearMethod):
                 return OneDnnLinear().prepare(weight.dequantize())  # groups of uneven sizes
             codes = codes[:, order]
             order = None if torch.equal(order, torch.arange(k)) else order
+        if kernels.available() and group % 32 == 0 and k % group == 0:  # the C++ kernel: any group of 32s
+            scale = scales.float().contiguous()
+            return pack_int4_blocks(codes), scale, (-zeros.float() * scale).contiguous(), group, order
         kernel_group = next((g for g in _INT4_GROUPS if group % g == 0 and k % g == 0), None)
         if kernel_group is None:
             return OneDnnLinear().prepare(weight.dequantize())
@@ -245,11 +281,10 @@ class CheckpointInt4(QuantizedLinearMethod):
     def apply(self, state: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not isinstance(state, tuple):
             return OneDnnLinear().apply(state, x, bias)
-        packed, scales_and_zeros, group, order = state
+        *kernel_state, order = state
         if order is not None:
             x = x.index_select(-1, order)
-        y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), packed, group, scales_and_zeros)
-        return y if bias is None else y + bias
+        return WeightOnlyInt4().apply(tuple(kernel_state), x, bias)
 
 
 class CheckpointFp8(QuantizedLinearMethod):
