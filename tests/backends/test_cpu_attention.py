@@ -208,3 +208,26 @@ def test_prefill_kernel_refuses_what_it_cannot_serve():
                                               torch.empty_like(q))
     with pytest.raises(RuntimeError, match="block id out of range"):
         torch.ops.heterollm_cpu.paged_prefill(q, cache, *chunk[:3], torch.tensor([[9]]), 1.0, torch.empty_like(q))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_store_kv_writes_what_the_torch_write_does(dtype):
+    """`heterollm_cpu::store_kv` (csrc/kv_store.cpp) against attention.py's `_write_kv` on the same cache:
+    the fresh blocks zeroed, each token's K / V rows in its slot (keys as strided views of a fused qkv,
+    as a model hands them over), nothing else touched; a slot outside the cache is refused."""
+    from heterollm_cpu.attention import _write_kv
+
+    assert kernels.available()
+    torch.manual_seed(0)
+    kvh, nb, bs, d, t = 2, 6, 4, 8, 5
+    cache = torch.randn(2, kvh, nb, bs, d).to(dtype)
+    ref = cache.clone()
+    qkv = torch.randn(t, 3 * kvh * d).to(dtype)
+    key, value = qkv[:, kvh * d:2 * kvh * d].view(t, kvh, d), qkv[:, 2 * kvh * d:].view(t, kvh, d)
+    fresh, slots = torch.tensor([3, 5]), torch.tensor([13, 14, 20, 1, 22])
+    torch.ops.heterollm_cpu.store_kv(cache, fresh, slots, key, value)
+    _write_kv(ref, fresh, slots, key, value)
+    assert torch.equal(cache, ref)
+    assert (cache[:, :, 3, [0, 3]] == 0).all() and (cache[:, :, 5, [1, 3]] == 0).all()  # fresh blocks' other rows
+    with pytest.raises(RuntimeError, match="slot 24 out of range"):
+        torch.ops.heterollm_cpu.store_kv(cache, fresh, torch.tensor([24, 0, 1, 2, 3]), key, value)
