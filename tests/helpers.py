@@ -282,9 +282,16 @@ ADMIT_ALL = {"kv_cache_ratio": 1.0, "static_decode_blocks": 0, "prefill_scheduli
 fill a tiny cache on purpose to make the scheduler preempt."""
 
 
-TRACED_FORWARD = {"aten::embedding", "aten::index_copy_"}
+def _traced_forward() -> set[str]:
+    from heterollm_cpu import kernels
+
+    return {"aten::embedding", "heterollm_cpu::store_kv" if kernels.available() else "aten::index_copy_"}
+
+
+TRACED_FORWARD = _traced_forward()
 """Operators a profiler trace holds for every eager forward of a llama on the CPU backend, whatever
-kernels its linears, norms and activations use: the token embedding and each layer's KV-cache write."""
+kernels its linears, norms and activations use: the token embedding and each layer's KV-cache write
+(the C++ store where the CPU kernels are built, torch's index_copy_ otherwise)."""
 
 
 def free_port_block(n: int) -> int:
