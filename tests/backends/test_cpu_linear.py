@@ -224,6 +224,22 @@ def test_int4_kernel_is_the_dequantized_weights_product(dtype, rows, n, k, group
 
 
 @pytest.mark.skipif(not kernels.available(), reason="CPU kernels not built")
+@pytest.mark.parametrize("rows", [3, 40])  # the int16 path and the dequantize + GEMM path
+def test_int4_kernel_keeps_a_nan_or_infinity_in_its_row(rows):
+    """A row of x with a NaN or an infinity gives outputs that are not numbers (NaN, or infinities as
+    F.linear's may be), and only that row: another sequence of the batch keeps its numbers."""
+    method = WeightOnlyInt4()
+    state = method.prepare(torch.randn(48, 64))
+    x = torch.randn(rows, 64)
+    clean = method.apply(state, x, None)
+    x[1, 3], x[2, 5] = float("nan"), float("inf")
+    y = method.apply(state, x, None)
+    assert not y[1:3].isfinite().any()
+    torch.testing.assert_close(y[0], clean[0])
+    torch.testing.assert_close(y[3:], clean[3:])
+
+
+@pytest.mark.skipif(not kernels.available(), reason="CPU kernels not built")
 def test_int4_kernel_traces_under_torch_compile():
     """The op has a shape rule: a compiled step (--enable_graph) takes it into its graph."""
     torch.manual_seed(0)

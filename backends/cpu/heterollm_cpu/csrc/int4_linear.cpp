@@ -8,13 +8,17 @@
 // nibble and feature j + 16 in its high one (ggml's Q4_1 order). G is a multiple of 32.
 //
 // Up to kGemvRows rows (decode) the weight is read once and each row of x multiplied against it
-// straight from the codes: per block the 32 codes widen to fp32 once for up to four rows of x,
-// sum_k code * x is scaled by the block's scale, and sum_g min * sum_{k in g} x (the sums of x per group
-// made once per call) added at the end. That reads half a byte per weight, an eighth of fp32's, and
-// runs on AVX2 + FMA (every x86 CPU with AVX-512 has them too); elsewhere a scalar loop of the same
-// arithmetic. More rows (prefill) dequantize the weight to fp32 chunk by chunk and multiply with
-// at::mm (the fp32 GEMM), where the dequantization costs less than a few rows' worth of the product.
-// The result is F.linear(x, w) up to fp32 summation order.
+// straight from the codes, four rows of x per pass over a weight row, on AVX2 (every x86 CPU with
+// AVX-512 has it too): x is put in int16 per block of 32 features (x ~ xq * dx, dx = the block's
+// max |x| / 32767: each value kept to 1 / 65534 of its block's largest), the 32 codes of a block widen
+// to int16 once, _mm256_madd_epi16 sums code * xq in int32, and that sum is scaled by dx and by the
+// group's scale; sum_g min_g * sum_{k in g} x (the sums of x in fp32, made once per call) is added at
+// the end. That reads half a byte per weight, an eighth of fp32's, in fewer instructions than widening
+// the codes to fp32 (measured on one core of an AVX2 AMD EPYC, a 15360 x 576 layer at one row: 614
+// against 894 us, 1.45x; at four rows 1.2x). Elsewhere a scalar loop of the same sums in fp32. More rows (prefill) dequantize the
+// weight to fp32 chunk by chunk and multiply with at::mm (the fp32 GEMM), where the dequantization
+// costs less than a few rows' worth of the product. The result is F.linear(x, w) to within x's int16
+// rounding (~1e-4 of the output's size) on AVX2, fp32 summation order otherwise.
 #include <torch/extension.h>
 #include "scalar_types.h"
 #include <ATen/Parallel.h>
@@ -56,7 +60,7 @@ inline float hsum(__m256 v) {
 #endif
 
 // y[m, n] for MT rows of x (fp32, row stride k) and output rows [n0, n1): sum_b scale_b * (code . x)_b
-// + sum_g min_g * xsum[m, g]
+// + sum_g min_g * xsum[m, g]; the scalar loop of a CPU without AVX2 (gemv_tile16 below is the AVX2 one)
 template <int MT>
 void gemv_tile(const float* x, const float* xsum, int64_t k, int64_t groups, int64_t blocks_per_group,
                const uint8_t* codes, const float* scales, const float* mins, int64_t n0, int64_t n1, float* y,
@@ -66,24 +70,6 @@ void gemv_tile(const float* x, const float* xsum, int64_t k, int64_t groups, int
     const float* s = scales + n * groups;
     const float* lo = mins + n * groups;
     float out[MT];
-#if HETEROLLM_INT4_AVX2
-    __m256 acc[MT];
-    for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
-    for (int64_t g = 0, b = 0; g < groups; ++g) {
-      const __m256 scale = _mm256_set1_ps(s[g]);
-      for (const int64_t end = b + blocks_per_group; b < end; ++b) {
-        __m256 q[4];
-        widen_block(c + b * 16, q);
-        for (int m = 0; m < MT; ++m) {
-          const float* xb = x + m * k + b * kBlock;
-          const __m256 t0 = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xb + 8), _mm256_mul_ps(q[0], _mm256_loadu_ps(xb)));
-          const __m256 t1 = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb + 24), _mm256_mul_ps(q[2], _mm256_loadu_ps(xb + 16)));
-          acc[m] = _mm256_fmadd_ps(scale, _mm256_add_ps(t0, t1), acc[m]);
-        }
-      }
-    }
-    for (int m = 0; m < MT; ++m) out[m] = hsum(acc[m]);
-#else
     for (int m = 0; m < MT; ++m) out[m] = 0.f;
     for (int64_t b = 0; b < k / kBlock; ++b) {
       const uint8_t* cb = c + b * 16;
@@ -95,7 +81,6 @@ void gemv_tile(const float* x, const float* xsum, int64_t k, int64_t groups, int
         out[m] += scale * t;
       }
     }
-#endif
     for (int m = 0; m < MT; ++m) {
       const float* xs = xsum + m * groups;
       float t = 0.f;
@@ -104,6 +89,74 @@ void gemv_tile(const float* x, const float* xsum, int64_t k, int64_t groups, int
     }
   }
 }
+
+#if HETEROLLM_INT4_AVX2
+// x in int16 per block of 32 features: x ~ xq * dx (dx = max |x| / 32767 over the block, so each value is
+// kept to 1 / 65534 of its block's largest); xq (rows, k), dx (rows, k / 32)
+void quantize_x16(const float* x, int64_t rows, int64_t k, int16_t* xq, float* dx) {
+  for (int64_t i = 0; i < rows * (k / kBlock); ++i) {
+    const float* xb = x + i * kBlock;
+    __m256 amax = _mm256_setzero_ps();
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (int j = 0; j < kBlock; j += 8) amax = _mm256_max_ps(amax, _mm256_and_ps(_mm256_loadu_ps(xb + j), abs_mask));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float top = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+    dx[i] = top / 32767.f;
+    const __m256 inv = _mm256_set1_ps(top > 0.f ? 32767.f / top : 0.f);
+    const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb), inv));
+    const __m256i lo2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8), inv));
+    const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 16), inv));
+    const __m256i hi2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 24), inv));
+    // packs works within 128-bit lanes: put the quarters back in feature order
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + i * kBlock),
+                        _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, lo2), 0xD8));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + i * kBlock + 16),
+                        _mm256_permute4x64_epi64(_mm256_packs_epi32(hi, hi2), 0xD8));
+  }
+}
+
+// gemv_tile on int16 activations: per block the 32 codes widen to int16 once and _mm256_madd_epi16
+// sums code * xq in int32 pairs (at most 4 * 15 * 32767 a lane), converted and scaled by dx, then by
+// the group's scale
+template <int MT>
+void gemv_tile16(const int16_t* xq, const float* dx, const float* xsum, int64_t k, int64_t groups,
+                 int64_t blocks_per_group, const uint8_t* codes, const float* scales, const float* mins, int64_t n0,
+                 int64_t n1, float* y, int64_t y_stride) {
+  const int64_t blocks = k / kBlock;
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* c = codes + n * (k / 2);
+    const float* s = scales + n * groups;
+    const float* lo = mins + n * groups;
+    __m256 acc[MT];
+    for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0, b = 0; g < groups; ++g) {
+      __m256 gacc[MT];
+      for (int m = 0; m < MT; ++m) gacc[m] = _mm256_setzero_ps();
+      for (const int64_t end = b + blocks_per_group; b < end; ++b) {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + b * 16));
+        const __m256i q0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, nibble));                     // features 0..15
+        const __m256i q1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), nibble));  // 16..31
+        for (int m = 0; m < MT; ++m) {
+          const __m256i* xb = reinterpret_cast<const __m256i*>(xq + m * k + b * kBlock);
+          const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_loadu_si256(xb)),
+                                             _mm256_madd_epi16(q1, _mm256_loadu_si256(xb + 1)));
+          gacc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dx[m * blocks + b]), gacc[m]);
+        }
+      }
+      const __m256 scale = _mm256_set1_ps(s[g]);
+      for (int m = 0; m < MT; ++m) acc[m] = _mm256_fmadd_ps(scale, gacc[m], acc[m]);
+    }
+    for (int m = 0; m < MT; ++m) {
+      const float* xs = xsum + m * groups;
+      float t = 0.f;
+      for (int64_t g = 0; g < groups; ++g) t += lo[g] * xs[g];
+      y[m * y_stride + n] = hsum(acc[m]) + t;
+    }
+  }
+}
+#endif
 
 // rows [n0, n1) of the weight in fp32, (n1 - n0, k)
 void dequantize(const uint8_t* codes, const float* scales, const float* mins, int64_t k, int64_t groups,
@@ -167,6 +220,25 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
       xsum[i] = t;
     }
     const float* xs = xsum.data();
+#if HETEROLLM_INT4_AVX2
+    std::vector<int16_t> xq(rows * k);
+    std::vector<float> dx(rows * (k / kBlock));
+    quantize_x16(xp, rows, k, xq.data(), dx.data());
+    at::parallel_for(0, n, 8, [&](int64_t n0, int64_t n1) {
+      for (int64_t m = 0; m < rows; m += 4) {
+        const int16_t* xm = xq.data() + m * k;
+        const float* dm = dx.data() + m * (k / kBlock);
+        const float* xsm = xs + m * groups;
+        float* ym = yp + m * n;
+        switch (std::min<int64_t>(4, rows - m)) {
+          case 4: gemv_tile16<4>(xm, dm, xsm, k, groups, blocks_per_group, cp, sp, lp, n0, n1, ym, n); break;
+          case 3: gemv_tile16<3>(xm, dm, xsm, k, groups, blocks_per_group, cp, sp, lp, n0, n1, ym, n); break;
+          case 2: gemv_tile16<2>(xm, dm, xsm, k, groups, blocks_per_group, cp, sp, lp, n0, n1, ym, n); break;
+          default: gemv_tile16<1>(xm, dm, xsm, k, groups, blocks_per_group, cp, sp, lp, n0, n1, ym, n); break;
+        }
+      }
+    });
+#else
     at::parallel_for(0, n, 8, [&](int64_t n0, int64_t n1) {
       for (int64_t m = 0; m < rows; m += 4) {
         const float* xm = xp + m * k;
@@ -180,6 +252,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
         }
       }
     });
+#endif
   } else {
     const int64_t chunk = std::max<int64_t>(16, std::min<int64_t>(n, kChunkBytes / (k * 4)));
     auto w = torch::empty({chunk, k}, xf.options());
