@@ -143,8 +143,9 @@ class WeightOnlyInt4(LinearMethod):
     CPU kernels built (x86 with AVX2 + FMA, or the kernel's scalar loop elsewhere) the C++ op
     `heterollm_cpu::int4_linear` (csrc/int4_linear.cpp) multiplies straight from the codes: measured
     on 2 AMD EPYC (AVX2) vCPUs, a 1536 x 576 layer at one row takes 54 us against torch's
-    `_weight_int4pack_mm_for_cpu` 900 us and the fp32 GEMM 91 us (bench/RESULTS.md). Without them,
-    torch's int4 kernel (which takes output rows in sixteens only)."""
+    `_weight_int4pack_mm_for_cpu` 900 us and the fp32 GEMM 91 us, before the kernel's int16
+    activations made it 1.45x faster again (bench/RESULTS.md). Without the kernels, torch's int4
+    kernel (which takes output rows in sixteens only)."""
 
     name = "wint4"
     group_size = 32
