@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -220,37 +221,31 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
       xsum[i] = t;
     }
     const float* xs = xsum.data();
+    // the rows in tiles of four (the last one shorter), each output row's codes read once per tile
+    auto tiles = [&](auto tile) {
+      at::parallel_for(0, n, 8, [&](int64_t n0, int64_t n1) {
+        for (int64_t m = 0; m < rows; m += 4) {
+          switch (std::min<int64_t>(4, rows - m)) {
+            case 4: tile(std::integral_constant<int, 4>{}, m, n0, n1); break;
+            case 3: tile(std::integral_constant<int, 3>{}, m, n0, n1); break;
+            case 2: tile(std::integral_constant<int, 2>{}, m, n0, n1); break;
+            default: tile(std::integral_constant<int, 1>{}, m, n0, n1); break;
+          }
+        }
+      });
+    };
 #if HETEROLLM_INT4_AVX2
     std::vector<int16_t> xq(rows * k);
     std::vector<float> dx(rows * (k / kBlock));
     quantize_x16(xp, rows, k, xq.data(), dx.data());
-    at::parallel_for(0, n, 8, [&](int64_t n0, int64_t n1) {
-      for (int64_t m = 0; m < rows; m += 4) {
-        const int16_t* xm = xq.data() + m * k;
-        const float* dm = dx.data() + m * (k / kBlock);
-        const float* xsm = xs + m * groups;
-        float* ym = yp + m * n;
-        switch (std::min<int64_t>(4, rows - m)) {
-          case 4: gemv_tile16<4>(xm, dm, xsm, k, groups, blocks_per_group, cp, sp, lp, n0, n1, ym, n); break;
-          case 3: gemv_tile16<3>(xm, dm, xsm, k, groups, blocks_per_group, cp, sp, lp, n0, n1, ym, n); break;
-          case 2: gemv_tile16<2>(xm, dm, xsm, k, groups, blocks_per_group, cp, sp, lp, n0, n1, ym, n); break;
-          default: gemv_tile16<1>(xm, dm, xsm, k, groups, blocks_per_group, cp, sp, lp, n0, n1, ym, n); break;
-        }
-      }
+    tiles([&](auto mt, int64_t m, int64_t n0, int64_t n1) {
+      gemv_tile16<decltype(mt)::value>(xq.data() + m * k, dx.data() + m * (k / kBlock), xs + m * groups, k, groups,
+                                       blocks_per_group, cp, sp, lp, n0, n1, yp + m * n, n);
     });
 #else
-    at::parallel_for(0, n, 8, [&](int64_t n0, int64_t n1) {
-      for (int64_t m = 0; m < rows; m += 4) {
-        const float* xm = xp + m * k;
-        const float* xsm = xs + m * groups;
-        float* ym = yp + m * n;
-        switch (std::min<int64_t>(4, rows - m)) {
-          case 4: gemv_tile<4>(xm, xsm, k, groups, blocks_per_group, cp, sp, lp, n0, n1, ym, n); break;
-          case 3: gemv_tile<3>(xm, xsm, k, groups, blocks_per_group, cp, sp, lp, n0, n1, ym, n); break;
-          case 2: gemv_tile<2>(xm, xsm, k, groups, blocks_per_group, cp, sp, lp, n0, n1, ym, n); break;
-          default: gemv_tile<1>(xm, xsm, k, groups, blocks_per_group, cp, sp, lp, n0, n1, ym, n); break;
-        }
-      }
+    tiles([&](auto mt, int64_t m, int64_t n0, int64_t n1) {
+      gemv_tile<decltype(mt)::value>(xp + m * k, xs + m * groups, k, groups, blocks_per_group, cp, sp, lp, n0, n1,
+                                     yp + m * n, n);
     });
 #endif
   } else {
