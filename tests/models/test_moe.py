@@ -24,6 +24,7 @@ from heterollm.model_executor.models.llama import MLP
 from heterollm.model_executor.moe import FusedMoE, SparseMoeBlock
 from heterollm.model_executor.parallel import ParallelContext
 from heterollm.plugins import get_registry
+from heterollm_cpu import kernels
 
 PROMPTS = [[1, 20, 30, 40, 50], list(range(100, 137)), [7, 7, 7], list(range(500, 700, 3)), [42]]
 NEW = 16
@@ -145,7 +146,11 @@ def test_quantized_experts_compute_with_their_dequantized_weights(flag):
     d13, d2 = dequantized(layer.states13, 2 * inter, hidden), dequantized(layer.states2, hidden, inter)
     assert not torch.equal(d13, w13) and (d13 - w13).abs().max() < (0.02 if flag == "wint8" else 0.1)
     got = layer(x, weights, ids)
-    torch.testing.assert_close(got.double(), per_token_reference(x, d13, d2, weights, ids), rtol=1e-4, atol=1e-4)
+    ref = per_token_reference(x, d13, d2, weights, ids)
+    # wint4's kernel rounds each block of 32 activations to int16 (to 1 / 65534 of the block's largest):
+    # ~1e-4 of the output's size, which the fp32 paths do not add
+    tol = 1e-4 if flag == "wint8" or not kernels.available() else 3e-4 * ref.abs().max().item()
+    torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=tol)
 
 
 def test_quantized_checkpoints_are_refused_and_moe_gguf_files_are_not(tmp_path):
