@@ -240,6 +240,22 @@ def test_int4_kernel_keeps_a_nan_or_infinity_in_its_row(rows):
 
 
 @pytest.mark.skipif(not kernels.available(), reason="CPU kernels not built")
+def test_wint4_float16_activations_go_through_the_kernel_in_fp32():
+    """--dtype float16: the kernel takes fp32 / bf16, so fp16 rows (and bias) are widened, multiplied and
+    rounded back, not the whole weight dequantized on every call."""
+    from heterollm_cpu.linear import dequantize_int4_blocks
+
+    torch.manual_seed(0)
+    method = WeightOnlyInt4()
+    state = method.prepare(torch.randn(48, 64))
+    x, b = torch.randn(3, 64, dtype=torch.float16), torch.randn(48, dtype=torch.float16)
+    y = method.apply(state, x, b)
+    assert y.dtype == torch.float16
+    ref = F.linear(x.double(), dequantize_int4_blocks(*state).double(), b.double())
+    torch.testing.assert_close(y.double(), ref, atol=2e-2, rtol=2e-3)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="CPU kernels not built")
 def test_int4_kernel_traces_under_torch_compile():
     """The op has a shape rule: a compiled step (--enable_graph) takes it into its graph."""
     torch.manual_seed(0)

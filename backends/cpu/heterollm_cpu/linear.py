@@ -171,18 +171,26 @@ class WeightOnlyInt4(LinearMethod):
         return packed, scales_and_zeros.to(weight.dtype), gs
 
     def apply(self, state: tuple, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if len(state) == 4:  # prepared for the C++ kernel
-            codes, scale, low, gs = state
-            if x.dtype in (torch.float32, torch.bfloat16) and (bias is None or bias.dtype == x.dtype):
-                return torch.ops.heterollm_cpu.int4_linear(x, codes, scale, low, gs, bias)
-            return F.linear(x, dequantize_int4_blocks(codes, scale, low, gs).to(x.dtype), bias)
-        packed, scales_and_zeros, gs = state
-        y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), packed, gs, scales_and_zeros)
-        return y if bias is None else y + bias
+        return int4_apply(state, x, bias)
+
+
+def int4_apply(state: tuple, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ w.T (+ bias) for a state `WeightOnlyInt4.prepare` made (also CheckpointInt4's): 4 tensors and
+    the group for the C++ kernel, 3 for torch's int4 kernel."""
+    if len(state) == 4:  # prepared for the C++ kernel, which takes fp32 / bf16 (fp16 goes through fp32)
+        codes, scale, low, gs = state
+        if x.dtype in (torch.float32, torch.bfloat16) and (bias is None or bias.dtype == x.dtype):
+            return torch.ops.heterollm_cpu.int4_linear(x, codes, scale, low, gs, bias)
+        y = torch.ops.heterollm_cpu.int4_linear(x.float(), codes, scale, low, gs, None if bias is None else bias.float())
+        return y.to(x.dtype)
+    packed, scales_and_zeros, gs = state
+    y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), packed, gs, scales_and_zeros)
+    return y if bias is None else y + bias
 
 
 def dequantize_int4_blocks(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, gs: int) -> torch.Tensor:
-    """The fp32 weight of `pack_int4_blocks`' codes: (N, K) = code * scale + min per group."""
+    """The fp32 weight of `pack_int4_blocks`' codes: (N, K) = code * scale + min per group (the layout's
+    reference, which the kernel's tests compare against)."""
     n = codes.shape[0]
     blocks = codes.view(n, -1, 16)
     q = torch.cat([blocks & 0x0F, blocks >> 4], -1).view(n, -1, gs).float()  # (n, k / gs, gs)
@@ -285,7 +293,7 @@ class CheckpointInt4(QuantizedLinearMethod):
         *kernel_state, order = state
         if order is not None:
             x = x.index_select(-1, order)
-        return WeightOnlyInt4().apply(tuple(kernel_state), x, bias)
+        return int4_apply(kernel_state, x, bias)
 
 
 class CheckpointFp8(QuantizedLinearMethod):
