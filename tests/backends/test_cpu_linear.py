@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from heterollm.model_executor import ops
 from heterollm.model_executor.linear_method import model_bytes, prepare_linears, select_linear_method
 from heterollm_cpu import kernels
-from heterollm_cpu.linear import DynamicInt8, OneDnnLinear, WeightOnlyInt4, WeightOnlyInt8, w8a8_reference
+from heterollm_cpu.linear import (DynamicInt8, OneDnnLinear, WeightOnlyInt4, WeightOnlyInt8, int8_per_channel,
+                                  pack_int8_panels, unpack_int8_panels, w8a8_reference)
 
 
 def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -87,7 +88,7 @@ def test_w8a8_kernel_is_its_torch_reference(dtype, shape):
     w, b = torch.randn(n, k, dtype=dtype), torch.randn(n, dtype=dtype)
     if x.numel():
         (x.view(-1, k) if x.is_contiguous() else x)[0] = 0
-    codes, scale = DynamicInt8().prepare(w)
+    codes, scale = int8_per_channel(w)
     ulp = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -22
     for bias in (None, b):
         y, r = torch.ops.heterollm_cpu.w8a8_linear(x, codes, scale, bias), w8a8_reference(x, codes, scale, bias)
@@ -117,9 +118,10 @@ def test_w8a8_hand_worked_codes_and_scales(path):
     w, x = torch.zeros(2, 20), torch.zeros(3, 20)
     w[:, :4] = w[:, 16:] = w4
     x[:, :4] = x[:, 16:] = x4
-    codes, scale = DynamicInt8().prepare(w)
+    codes, scale = int8_per_channel(w)
     assert codes[:, :4].tolist() == codes[:, 16:].tolist() == [[127, 64, -32, 38], [0, 0, 127, -127]]
-    y = DynamicInt8().apply((codes, scale), x, None) if path == "method" else w8a8_reference(x, codes, scale, None)
+    method = DynamicInt8()
+    y = method.apply(method.prepare(w), x, None) if path == "method" else w8a8_reference(x, codes, scale, None)
     sums = 2 * torch.tensor([[16257, 0], [11009, 4064], [0, 0]], dtype=torch.float64)
     expected = sums * torch.tensor([[1.0], [2 / 127], [1.0]], dtype=torch.float64) / 127
     torch.testing.assert_close(y.double(), expected, rtol=1e-6, atol=0)
@@ -136,8 +138,9 @@ def test_w8a8_rows_with_nan_or_infinity_give_nan_and_tiny_rows_zero(path, dtype)
     x[0, 3], x[1, 18], x[2, 5], x[3, 17] = float("nan"), float("nan"), float("inf"), float("-inf")
     x[4] = 1e-38
     x, w = x.to(dtype), w.to(dtype)
-    codes, scale = DynamicInt8().prepare(w)
-    y = DynamicInt8().apply((codes, scale), x, None) if path == "method" else w8a8_reference(x, codes, scale, None)
+    codes, scale = int8_per_channel(w)
+    method = DynamicInt8()
+    y = method.apply(method.prepare(w), x, None) if path == "method" else w8a8_reference(x, codes, scale, None)
     assert y[:4].isnan().all()
     assert (y[4] == 0).all()
     assert y[5].isfinite().all() and _rel_err(y[5:], F.linear(x[5:].float(), w.float())) < 0.02
@@ -148,19 +151,158 @@ def test_w8a8_takes_float_weights_only():
         DynamicInt8().prepare(torch.randn(16, 32, dtype=torch.float16))
 
 
-@pytest.mark.parametrize("flags, warned", [({"avx2", "fma"}, True), ({"avx2", "avx512_vnni"}, False),
-                                            ({"avx2", "avx_vnni"}, False), ({"avx2", "amx_int8"}, False),
-                                            ({"asimd"}, False)])
-def test_w8a8_warns_on_an_x86_cpu_without_int8_dot_products(monkeypatch, caplog, flags, warned):
+@pytest.mark.parametrize("built", [True, False])
+@pytest.mark.parametrize("flags, slow", [({"avx2", "fma"}, True), ({"avx2", "avx512_vnni"}, False),
+                                          ({"avx2", "avx_vnni"}, False), ({"avx2", "amx_int8"}, False),
+                                          ({"asimd"}, False)])
+def test_w8a8_on_an_x86_cpu_without_int8_dot_products(monkeypatch, caplog, flags, slow, built):
     """Measured on an AVX2-only EPYC: torch._int_mm 45x slower than the float32 GEMM, w8a8 offline 20x
-    slower than float32; the launch says so once (the method is built once per model load)."""
+    slower than float32. There the AVX2 kernel `int8_gemm` takes over where the kernels are built (the
+    method packs its panels); without them the launch says so once (the method is built once per load)."""
     import heterollm_cpu.linear as cpu_linear
 
     monkeypatch.setattr(cpu_linear, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(kernels, "available", lambda: built)
     with caplog.at_level(logging.WARNING, logger="heterollm.cpu.linear"):
-        DynamicInt8()
+        method = DynamicInt8()
+    assert method.panels == (slow and built)
     assert ("--quantization w8a8: this CPU has no int8 dot-product instructions (VNNI or AMX-int8)" in caplog.text) \
-        == warned
+        == (slow and not built)
+
+
+needs_int8_gemm = pytest.mark.skipif(not kernels.available() or "avx2" not in kernels.vector_features(),
+                                     reason="int8_gemm runs on the CPU kernels of an AVX2 CPU")
+
+
+@pytest.mark.parametrize("n, k", [(40, 64), (33, 65), (16, 2), (100, 600), (7, 1)])
+def test_int8_panels_round_trip(n, k):
+    """`pack_int8_panels` puts codes[16p + c, 2j + i] at panels[p, j, c, i]; padding rows and columns are zero."""
+    codes = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    panels = pack_int8_panels(codes)
+    assert panels.shape == ((n + 15) // 16, (k + 1) // 2, 16, 2) and panels.is_contiguous()
+    assert torch.equal(unpack_int8_panels(panels, n, k), codes)
+    p, j, c, i = (n - 1) // 16, (k - 1) // 2, (n - 1) % 16, (k - 1) % 2
+    assert panels[p, j, c, i] == codes[n - 1, k - 1]
+    assert panels.sum(dtype=torch.int64) == codes.sum(dtype=torch.int64)
+
+
+def _activation_bound(x: torch.Tensor, w: torch.Tensor, qmax: int) -> torch.Tensor:
+    """|y - x @ w.T| when only x is rounded, per row to a step of s = max |x row| / qmax: each term is off
+    by at most |w| s / 2, summed over K (w: the weights the codes stand for)."""
+    s = x.double().abs().amax(-1, keepdim=True) / qmax
+    return s / 2 * w.double().abs().sum(-1)
+
+
+@needs_int8_gemm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qmax", [127, 32767])
+@pytest.mark.parametrize("rows, n, k", [(1, 40, 64), (2, 33, 65), (5, 16, 37), (6, 48, 600), (7, 100, 1536),
+                                        (13, 24, 576), (200, 70, 1536), (0, 40, 64)])
+def test_int8_gemm_is_the_codes_product_within_the_activation_rounding(dtype, qmax, rows, n, k):
+    """The kernel against F.linear on the weights its codes stand for, in float64: off by no more than
+    the activations' rounding to [-qmax, qmax] per row (worked out by hand) plus the output's rounding.
+    Covered: tiles of 1-6 rows and their tails, several row blocks (200 rows of 1536), panels with a
+    partial last one (33, 40, 70, 100 channels), an odd K (a padded pair), sums over more than the
+    kernel's 256-feature int32 chunks (600, 1536), bias and no bias, no rows."""
+    torch.manual_seed(rows * 7 + n)
+    w, b = torch.randn(n, k), torch.randn(n)
+    x = torch.randn(rows, k)
+    if rows > 1:
+        x[1] *= 40  # each row its own scale
+    codes, scale = int8_per_channel(w)
+    wq = codes.double() * scale.double()[:, None]
+    x, b = x.to(dtype), b.to(dtype)
+    for bias in (None, b):
+        y = torch.ops.heterollm_cpu.int8_gemm(x, pack_int8_panels(codes), scale, qmax, bias)
+        assert y.shape == (rows, n) and y.dtype == dtype
+        exact = x.double() @ wq.t() + (0 if bias is None else bias.double())
+        rounding = exact.abs() * (2 ** -8 if dtype == torch.bfloat16 else 1e-6) + 1e-5
+        assert ((y.double() - exact).abs() <= _activation_bound(x, wq, qmax) + rounding).all()
+    if rows and qmax == 32767:  # 16-bit activations: far inside wint8's weight error
+        assert ((y.double() - exact).abs().max() / exact.abs().max()).item() < (1e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+@needs_int8_gemm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_gemm_at_qmax_127_is_w8a8(dtype):
+    """At qmax 127 the kernel quantizes the rows as w8a8 does and makes the same integer sums: it equals
+    `w8a8_reference` up to the last steps' rounding, with leading dimensions and strided rows."""
+    torch.manual_seed(3)
+    w, b = torch.randn(72, 96, dtype=dtype), torch.randn(72, dtype=dtype)
+    x = torch.randn(3, 4, 192, dtype=dtype)[..., ::2]
+    codes, scale = int8_per_channel(w)
+    y = torch.ops.heterollm_cpu.int8_gemm(x, pack_int8_panels(codes), scale, 127, b)
+    r = w8a8_reference(x, codes, scale, b)
+    assert y.shape == r.shape == (3, 4, 72)
+    ulp = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -22
+    assert ((y.float() - r.float()).abs() <= (r.abs().float() + b.abs().float()) * ulp * 2).all()
+
+
+@needs_int8_gemm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_gemm_rows_with_nan_or_infinity_give_nan_and_tiny_rows_zero(dtype):
+    """A NaN or an infinity in a row (in the 8-wide loop's columns or the tail's) makes that row NaN and
+    leaves the others alone; a row of zeros or too small to scale gives the bias."""
+    torch.manual_seed(4)
+    w, b, x = torch.randn(20, 21), torch.randn(20), torch.randn(7, 21)
+    x[0, 3], x[1, 18], x[2, 5], x[3, 20] = float("nan"), float("nan"), float("inf"), float("-inf")
+    x[4], x[5] = 1e-38, 0
+    codes, scale = int8_per_channel(w)
+    y = torch.ops.heterollm_cpu.int8_gemm(x.to(dtype), pack_int8_panels(codes), scale, 32767, b.to(dtype))
+    assert y[:4].isnan().all()
+    assert torch.equal(y[4:6].float(), b.to(dtype).float().expand(2, -1))
+    assert y[6].isfinite().all() and _rel_err(y[6:], F.linear(x[6:], w, b)) < 0.02
+
+
+@needs_int8_gemm
+def test_int8_gemm_refuses_mismatched_inputs():
+    codes, scale = int8_per_channel(torch.randn(20, 30))
+    panels = pack_int8_panels(codes)
+    with pytest.raises(RuntimeError, match="does not match the panels' 30 features"):
+        torch.ops.heterollm_cpu.int8_gemm(torch.randn(2, 28), panels, scale, 127, None)
+    with pytest.raises(RuntimeError, match="panels hold 2 panels of 16, w_scale 40 channels"):
+        torch.ops.heterollm_cpu.int8_gemm(torch.randn(2, 30), panels, torch.ones(40), 127, None)
+    with pytest.raises(RuntimeError, match=r"qmax must be in \[1, 32767\]"):
+        torch.ops.heterollm_cpu.int8_gemm(torch.randn(2, 30), panels, scale, 40000, None)
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def int8_path(request, monkeypatch):
+    """wint8 on `heterollm_cpu::int8_gemm` (the kernels on an AVX2 CPU) or on torch's `_weight_int8pack_mm`."""
+    if request.param == "kernel" and (not kernels.available() or "avx2" not in kernels.vector_features()):
+        pytest.skip("int8_gemm runs on the CPU kernels of an AVX2 CPU")
+    if request.param == "torch":
+        monkeypatch.setattr(kernels, "available", lambda: False)
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_wint8_both_paths_are_the_codes_product(int8_path, dtype):
+    """Either path multiplies by the weights the codes stand for (within the activations' 16-bit rounding
+    on the kernel, the dtype's rounding on torch's), with bias; float16 goes through the kernel in fp32."""
+    if int8_path == "torch" and dtype == torch.float16:
+        pytest.skip("torch's _weight_int8pack_mm takes fp32 / bf16")
+    torch.manual_seed(5)
+    w, b, x = torch.randn(40, 96), torch.randn(40), torch.randn(9, 96)
+    method = WeightOnlyInt8()
+    state = method.prepare(w.to(dtype))
+    assert state[0].dim() == (4 if int8_path == "kernel" else 2)
+    codes, scale = int8_per_channel(w.to(dtype))
+    ref = F.linear(x.double(), codes.double() * scale.double()[:, None], b.double())
+    y = method.apply(state, x.to(dtype), b.to(dtype))
+    assert y.dtype == dtype and y.shape == (9, 40)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < tol
+
+
+@needs_int8_gemm
+def test_int8_gemm_traces_under_torch_compile():
+    """The op has a shape rule: a compiled step (--enable_graph) takes it into its graph."""
+    method = WeightOnlyInt8()
+    state = method.prepare(torch.randn(40, 64))
+    x = torch.randn(3, 64)
+    compiled = torch.compile(lambda t: method.apply(state, t, None), backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), method.apply(state, x, None))
 
 
 @pytest.fixture(params=["kernel", "torch"])

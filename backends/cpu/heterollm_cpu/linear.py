@@ -6,8 +6,9 @@
   row, because `F.linear` re-packs the weight on every call. A CPU without AVX-512 (an AVX2-only
   AMD EPYC, say) has no oneDNN bf16 kernels: its bf16 weights stay plain tensors for `F.linear`
   (torch emulates bf16 there; `--dtype auto` picks float32 on such a CPU).
-- `linear.wint8` (`--quantization wint8`): symmetric int8 per output channel,
-  `torch._weight_int8pack_mm`.
+- `linear.wint8` (`--quantization wint8`): symmetric int8 per output channel, the C++ op
+  `heterollm_cpu::int8_gemm` (csrc/int8_gemm.cpp, AVX2's 16-bit multiply-add on 16-bit activations)
+  where the kernels are built on an AVX2 CPU, else `torch._weight_int8pack_mm`.
 - `linear.wint4` (`--quantization wint4`): asymmetric 4-bit in groups of 32 input features
   (scale and minimum per group, like GGUF's Q4_1), the C++ op `heterollm_cpu::int4_linear`
   (csrc/int4_linear.cpp), or `torch._weight_int4pack_mm_for_cpu` where the kernels are not built.
@@ -15,10 +16,12 @@
   fp32 scales), the activations quantized to int8 per row at each call, an int8 GEMM (`torch._int_mm`,
   oneDNN's s8s8 kernel on the CPU's VNNI / AMX-int8 units), then both scales applied: the C++ op
   `heterollm_cpu::w8a8_linear` (csrc/int8_linear.cpp) in one dispatch, or `w8a8_reference` where the
-  kernels are not built.
+  kernels are not built. On an x86 CPU without int8 dot products (AVX2 only), where `torch._int_mm` is a
+  reference loop, the same int8 activation codes and sums on `heterollm_cpu::int8_gemm`.
 All three quantize the loaded bf16/fp32 weights at start-up. The weight-only two read 2x / 4x fewer
 weight bytes, which pays at small batches (single-stream decode); torch's weight-only int kernels are
-slower than the bf16 GEMM at tens of rows, so they are not the throughput setting. `w8a8` reads the
+slower than the bf16 GEMM at tens of rows, so they are not the throughput setting (`int8_gemm` is not
+slower than the fp32 GEMM at any row count on an AVX2 CPU, where it is the wint8 kernel). `w8a8` reads the
 int8 bytes and multiplies at the int8 rate at every batch size (the instruction does twice bf16's
 products; measured on 2 AMD EPYC vCPUs: a prefill's linears 1.4x faster than bf16, bench/RESULTS.md)."""
 from __future__ import annotations
@@ -116,16 +119,60 @@ def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.contiguous(), scale.contiguous()
 
 
+def pack_int8_panels(codes: torch.Tensor) -> torch.Tensor:
+    """(N, K) int8 codes -> (ceil(N / 16), ceil(K / 2), 16, 2) int8, `heterollm_cpu::int8_gemm`'s layout:
+    panels of 16 output channels (zero rows pad N), each pair of input features of the 16 channels side by
+    side (a zero column pads an odd K): one 32-byte row per pair, byte 2n + i = codes[16p + n, 2j + i]."""
+    n, k = codes.shape
+    padded = torch.zeros((n + 15) // 16 * 16, k + k % 2, dtype=torch.int8)
+    padded[:n, :k] = codes
+    return padded.view(-1, 16, padded.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_int8_panels(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """`pack_int8_panels`' inverse: the (N, K) codes."""
+    return panels.permute(0, 2, 1, 3).reshape(-1, panels.shape[1] * 2)[:n, :k]
+
+
+def _int8_gemm_here() -> bool:
+    """Whether `heterollm_cpu::int8_gemm` runs here at its vector speed: the kernels built on an x86 CPU
+    with AVX2 (its 16-bit multiply-add loop; elsewhere it would be a scalar loop)."""
+    return kernels.available() and "avx2" in _cpu_flags()
+
+
+def int8_apply(state: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, bias: torch.Tensor | None,
+               qmax: int) -> torch.Tensor:
+    """x @ (codes * scale).T (+ bias) on `heterollm_cpu::int8_gemm`, x quantized per row to [-qmax, qmax];
+    fp16 goes through fp32 (the kernel takes fp32 and bf16)."""
+    panels, scale = state
+    if x.dtype in (torch.float32, torch.bfloat16) and (bias is None or bias.dtype == x.dtype):
+        return torch.ops.heterollm_cpu.int8_gemm(x, panels, scale, qmax, bias)
+    y = torch.ops.heterollm_cpu.int8_gemm(x.float(), panels, scale, qmax, None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
 class WeightOnlyInt8(LinearMethod):
+    """int8 codes per output channel (symmetric, `int8_per_channel`). Where the kernels are built on an AVX2
+    CPU: `heterollm_cpu::int8_gemm` (csrc/int8_gemm.cpp) with the activations rounded per row to 16-bit
+    integers (1 / 65534 of the row's largest value, far under the weights' int8 step), the weight read as
+    int8 at every batch size. Measured on 2 AMD EPYC (AVX2) vCPUs over SmolLM2-135M's 121 layer shapes:
+    3.6-3.9x faster than the fp32 GEMM at one row, 3.2x at 4, 1.5x at 16, 1.05-1.2x at 64-512 rows, and
+    12-40x faster than torch's `_weight_int8pack_mm` (bench/RESULTS.md). Elsewhere: `_weight_int8pack_mm`."""
+
     name = "wint8"
+    qmax = 32767
 
     def prepare(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         codes, scale = int8_per_channel(weight)
+        if _int8_gemm_here():
+            return pack_int8_panels(codes), scale
         return codes, scale.to(weight.dtype)
 
     def apply(self, state: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
         codes, scale = state
+        if codes.dim() == 4:
+            return int8_apply(state, x, bias, self.qmax)
         y = torch._weight_int8pack_mm(x.contiguous(), codes, scale)
         return y if bias is None else y + bias
 
@@ -229,23 +276,30 @@ class DynamicInt8(LinearMethod):
 
     name = "w8a8"
 
+    qmax = 127
+
     def __init__(self) -> None:  # once per model load (select_linear_method)
         flags = _cpu_flags()
-        if "avx2" in flags and not flags & _INT8_DOT:
-            logger.warning("--quantization w8a8: this CPU has no int8 dot-product instructions (VNNI or AMX-int8), "
-                           "so torch's int8 GEMM runs a reference loop: expect it ~20x slower than float32 (measured "
-                           "on an AVX2-only AMD EPYC, bench/RESULTS.md); wint8 keeps the int8 weights with float "
-                           "activations")
+        # without int8 dot products torch's int8 GEMM is a reference loop: the AVX2 kernel takes over
+        self.panels = "avx2" in flags and not flags & _INT8_DOT and _int8_gemm_here()
+        if "avx2" in flags and not flags & _INT8_DOT and not self.panels:
+            logger.warning("--quantization w8a8: this CPU has no int8 dot-product instructions (VNNI or AMX-int8) and "
+                           "the CPU kernels are not built (`python -m heterollm_cpu.kernels`), so torch's int8 GEMM "
+                           "runs a reference loop: expect it ~20x slower than float32 (measured on an AVX2-only AMD "
+                           "EPYC, bench/RESULTS.md)")
 
     def prepare(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if weight.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"--quantization=w8a8: takes float32 or bfloat16 weights, not {weight.dtype} "
                              "(set --dtype bfloat16 or float32)")
-        return int8_per_channel(weight)
+        codes, scale = int8_per_channel(weight)
+        return (pack_int8_panels(codes), scale) if self.panels else (codes, scale)
 
     def apply(self, state: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
         codes, scale = state
+        if codes.dim() == 4:  # the AVX2 kernel: the same int8 activation codes and integer sums
+            return int8_apply(state, x, bias, self.qmax)
         if kernels.available() and x.dtype in (torch.float32, torch.bfloat16) and (bias is None or bias.dtype == x.dtype):
             return torch.ops.heterollm_cpu.w8a8_linear(x, codes, scale, bias)
         return w8a8_reference(x, codes, scale, bias)
