@@ -5,12 +5,12 @@
 #   bash bench/targets.sh --rows offline,batch1 --soak-seconds 120
 #
 # Rows (each prints its own full table too, and leaves its JSON in the result folder):
-#   offline  VLLM_CPU_NUM_OF_RESERVED_CPU=0 python bench/throughput.py --configs bf16,w8a8 --skip-hf --peers vllm
+#   offline  VLLM_CPU_NUM_OF_RESERVED_CPU=0 python bench/throughput.py --configs bf16,w8a8,wint8 --skip-hf --peers vllm
 #            target: >= 2x vLLM's output tok/s
 #   serve    VLLM_CPU_NUM_OF_RESERVED_CPU=0 bash bench/serve_compare.sh  (then the same server flags with
-#            --quantization w8a8, vLLM skipped); target: >= 1.5x vLLM's output tok/s at C=4 and C=16, mean
+#            --quantization w8a8 and with wint8, vLLM skipped); target: >= 1.5x vLLM's output tok/s at C=4 and C=16, mean
 #            TTFT below vLLM's
-#   batch1   python bench/latency.py --configs bf16,wint4,w8a8 --peers llamacpp
+#   batch1   python bench/latency.py --configs bf16,wint4,w8a8,wint8 --peers llamacpp
 #            targets: wint4 >= llama.cpp Q4_1's decode tok/s; bf16 >= 80% of the memory-bandwidth bound
 #   soak     python bench/serving.py --num-prompts 32 --concurrency 8 --duration SOAK  (default 600 s)
 #            target: RSS flat (last third of the rounds vs the first third)
@@ -47,16 +47,18 @@ run() {  # run NAME CMD...: print the command, run it, keep its output
 }
 
 if has offline; then
-    run offline env VLLM_CPU_NUM_OF_RESERVED_CPU=0 "$PY" bench/throughput.py --configs bf16,w8a8 --skip-hf \
+    run offline env VLLM_CPU_NUM_OF_RESERVED_CPU=0 "$PY" bench/throughput.py --configs bf16,w8a8,wint8 --skip-hf \
         --peers vllm --json "$OUT/offline.json"
 fi
 if has serve; then
     run serve env VLLM_CPU_NUM_OF_RESERVED_CPU=0 bash bench/serve_compare.sh --json "$OUT/serve.json"
     run serve_w8a8 bash bench/serve_compare.sh --skip-vllm --heterollm-flags "--quantization w8a8" \
         --json "$OUT/serve_w8a8.json"
+    run serve_wint8 bash bench/serve_compare.sh --skip-vllm --heterollm-flags "--quantization wint8" \
+        --json "$OUT/serve_wint8.json"
 fi
 if has batch1; then
-    run batch1 "$PY" bench/latency.py --configs bf16,wint4,w8a8 --peers llamacpp --json "$OUT/batch1.json"
+    run batch1 "$PY" bench/latency.py --configs bf16,wint4,w8a8,wint8 --peers llamacpp --json "$OUT/batch1.json"
 fi
 if has soak; then
     run soak "$PY" bench/serving.py --num-prompts 32 --concurrency 8 --duration "$SOAK" --json "$OUT/soak.json"
@@ -91,8 +93,8 @@ if off:
             ratio = r["out_tok_s"] / vllm["out_tok_s"]
             lines.append((f"offline 64 x 128/128, out tok/s ({r['weights']})", f"{r['out_tok_s']:.1f}",
                           f"vLLM {vllm['out_tok_s']:.1f}", f"{ratio:.2f}x", ">= 2x", ratio >= 2))
-serve, serve8 = load("serve"), load("serve_w8a8")
-for data, tag in ((serve, "bf16"), (serve8, "w8a8")):
+serve = load("serve")
+for data, tag in ((serve, "--dtype auto"), (load("serve_w8a8"), "w8a8"), (load("serve_wint8"), "wint8")):
     if not data:
         continue
     for r in data["rows"]:
@@ -117,6 +119,10 @@ if b1:
             ratio = r["decode_tok_s"] / llama["decode_tok_s"]
             lines.append(("batch 1 decode tok/s, wint4 vs llama.cpp Q4_1", f"{r['decode_tok_s']:.1f}",
                           f"llama.cpp {llama['decode_tok_s']:.1f}", f"{ratio:.2f}x", ">= 1x", ratio >= 1))
+        elif "wint8" in r["weights"] and llama and llama.get("decode_tok_s") and r.get("decode_tok_s"):
+            ratio = r["decode_tok_s"] / llama["decode_tok_s"]  # no target of its own: the int8 row beside wint4's
+            lines.append(("batch 1 decode tok/s, wint8 vs llama.cpp Q4_1", f"{r['decode_tok_s']:.1f}",
+                          f"llama.cpp {llama['decode_tok_s']:.1f}", f"{ratio:.2f}x", "-", None))
         if r.get("of_bound") is not None:
             target = ">= 80%" if r["weights"] in ("bfloat16", "float32") else "-"
             lines.append((f"batch 1 decode tok/s, {r['weights']} vs the bandwidth bound", f"{r['decode_tok_s']:.1f}",
