@@ -156,8 +156,9 @@ class WeightOnlyInt8(LinearMethod):
     CPU: `heterollm_cpu::int8_gemm` (csrc/int8_gemm.cpp) with the activations rounded per row to 16-bit
     integers (1 / 65534 of the row's largest value, far under the weights' int8 step), the weight read as
     int8 at every batch size. Measured on 2 AMD EPYC (AVX2) vCPUs over SmolLM2-135M's 121 layer shapes:
-    3.6-3.9x faster than the fp32 GEMM at one row, 3.2x at 4, 1.5x at 16, 1.05-1.2x at 64-512 rows, and
-    12-40x faster than torch's `_weight_int8pack_mm` (bench/RESULTS.md). Elsewhere: `_weight_int8pack_mm`."""
+    3.5-4.1x faster than the fp32 GEMM at one row, 2.7-3.2x at 4, 1.5-1.7x at 16, 1.2-1.3x at 64, 1.0x at
+    512 rows, and 12-40x faster than torch's `_weight_int8pack_mm` (two runs of bench/linear_kernels.py,
+    bench/RESULTS.md). Elsewhere: `_weight_int8pack_mm`."""
 
     name = "wint8"
     qmax = 32767
