@@ -41,7 +41,8 @@ LDFLAGS = ["-fopenmp", "-lmvec"]
 _loaded: bool | None = None
 
 
-HEADERS = [Path(__file__).parent / "csrc" / name for name in ("bf16_dot.h", "scalar_types.h")]
+HEADERS = [Path(__file__).parent / "csrc" / name for name in ("bf16_dot.h", "scalar_types.h",
+                                                                 "quantize_rows.h")]
 
 
 def _key() -> str:

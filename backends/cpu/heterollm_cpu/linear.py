@@ -140,15 +140,19 @@ def _int8_gemm_here() -> bool:
     return kernels.available() and "avx2" in _cpu_flags()
 
 
+def _in_kernel_dtype(op, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """op(x, bias) for the C++ linears, which take fp32 and bf16 (with the bias in x's dtype): other inputs
+    (fp16) go through fp32 and are rounded back."""
+    if x.dtype in (torch.float32, torch.bfloat16) and (bias is None or bias.dtype == x.dtype):
+        return op(x, bias)
+    return op(x.float(), None if bias is None else bias.float()).to(x.dtype)
+
+
 def int8_apply(state: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, bias: torch.Tensor | None,
                qmax: int) -> torch.Tensor:
-    """x @ (codes * scale).T (+ bias) on `heterollm_cpu::int8_gemm`, x quantized per row to [-qmax, qmax];
-    fp16 goes through fp32 (the kernel takes fp32 and bf16)."""
+    """x @ (codes * scale).T (+ bias) on `heterollm_cpu::int8_gemm`, x quantized per row to [-qmax, qmax]."""
     panels, scale = state
-    if x.dtype in (torch.float32, torch.bfloat16) and (bias is None or bias.dtype == x.dtype):
-        return torch.ops.heterollm_cpu.int8_gemm(x, panels, scale, qmax, bias)
-    y = torch.ops.heterollm_cpu.int8_gemm(x.float(), panels, scale, qmax, None if bias is None else bias.float())
-    return y.to(x.dtype)
+    return _in_kernel_dtype(lambda t, b: torch.ops.heterollm_cpu.int8_gemm(t, panels, scale, qmax, b), x, bias)
 
 
 class WeightOnlyInt8(LinearMethod):
@@ -225,12 +229,9 @@ class WeightOnlyInt4(LinearMethod):
 def int4_apply(state: tuple, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ w.T (+ bias) for a state `WeightOnlyInt4.prepare` made (also CheckpointInt4's): 4 tensors and
     the group for the C++ kernel, 3 for torch's int4 kernel."""
-    if len(state) == 4:  # prepared for the C++ kernel, which takes fp32 / bf16 (fp16 goes through fp32)
+    if len(state) == 4:  # prepared for the C++ kernel
         codes, scale, low, gs = state
-        if x.dtype in (torch.float32, torch.bfloat16) and (bias is None or bias.dtype == x.dtype):
-            return torch.ops.heterollm_cpu.int4_linear(x, codes, scale, low, gs, bias)
-        y = torch.ops.heterollm_cpu.int4_linear(x.float(), codes, scale, low, gs, None if bias is None else bias.float())
-        return y.to(x.dtype)
+        return _in_kernel_dtype(lambda t, b: torch.ops.heterollm_cpu.int4_linear(t, codes, scale, low, gs, b), x, bias)
     packed, scales_and_zeros, gs = state
     y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), packed, gs, scales_and_zeros)
     return y if bias is None else y + bias

@@ -11,7 +11,7 @@
 // s_m = max |x_m| / qmax, q = round_half_even(x_m / s_m) (a row of zeros, or of values under qmax / FLT_MAX:
 // q = 0, s = 1; a row with a NaN or an infinity: q = 0, s = NaN, so its outputs are NaN).
 // y[m, n] = s_m * w_scale[n] * sum_k q[m, k] w[n, k] (+ bias[n]).
-// With qmax = 127 these are w8a8's numbers (int8_linear.cpp's quantize_rows, the same integer sums);
+// With qmax = 127 these are w8a8's numbers (quantize_rows.h, as int8_linear.cpp quantizes; the same integer sums);
 // wint8 takes qmax = 32767, the activations' rounding ~1e-5 of the row's largest value.
 // The sums: _mm256_madd_epi16 multiplies the int16 activations by the int8 codes widened to int16 and
 // adds adjacent pairs into int32 (16 products an instruction, twice an AVX2 FMA's 8); the int32 sums
@@ -19,6 +19,7 @@
 // added into fp32. A tile is 6 rows x 16 channels (12 accumulators). Without AVX2: the same sums in a
 // scalar loop.
 #include <torch/extension.h>
+#include "quantize_rows.h"
 #include "scalar_types.h"
 #include <ATen/Parallel.h>
 
@@ -40,75 +41,6 @@ constexpr int64_t kNR = 16;        // output channels per panel
 constexpr int64_t kMR = 6;         // rows per tile
 constexpr int64_t kChunkPairs = 128;  // input-feature pairs summed in int32 before the fp32 add
 constexpr int64_t kBlockBytes = 192 * 1024;  // the quantized rows of one row block (kept in L2)
-
-template <typename S>
-void quantize_rows(const typename S::T* x, int64_t rows, int64_t k, int64_t kp, int64_t qmax, int16_t* q,
-                   float* scale) {
-  const float fq = static_cast<float>(qmax);
-  const float tiny = fq / std::numeric_limits<float>::max();
-  uint32_t nan_bits = 0x7FC00000u;
-  float nan;
-  std::memcpy(&nan, &nan_bits, sizeof(nan));
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const typename S::T* row = x + m * k;
-      int16_t* out = q + m * kp;
-      float amax = 0.f;
-      bool finite = true;  // tested on the bits: -ffast-math assumes no NaN or infinity in float compares
-      int64_t i0 = 0;
-#if defined(__AVX2__)
-      if constexpr (std::is_same_v<typename S::T, float>) {
-        __m256 vmax = _mm256_setzero_ps();
-        __m256i special = _mm256_setzero_si256();
-        const __m256i exponent = _mm256_set1_epi32(0x7F800000);
-        const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-        for (; i0 + 8 <= k; i0 += 8) {
-          const __m256 v = _mm256_loadu_ps(row + i0);
-          const __m256i e = _mm256_and_si256(_mm256_castps_si256(v), exponent);
-          special = _mm256_or_si256(special, _mm256_cmpeq_epi32(e, exponent));
-          vmax = _mm256_max_ps(vmax, _mm256_and_ps(v, magnitude));
-        }
-        alignas(32) float lanes[8];
-        _mm256_store_ps(lanes, vmax);
-        for (float l : lanes) amax = std::max(amax, l);
-        finite = _mm256_testz_si256(special, special);
-      }
-#endif
-      for (int64_t i = i0; i < k; ++i) {
-        const float v = S::load(row, i);
-        uint32_t bits;
-        std::memcpy(&bits, &v, sizeof(bits));
-        finite = finite && (bits & 0x7F800000u) != 0x7F800000u;
-        amax = std::max(amax, std::fabs(v));
-      }
-      if (kp > k) out[k] = 0;
-      if (!finite || !(amax > tiny)) {
-        std::memset(out, 0, k * sizeof(int16_t));
-        scale[m] = finite ? 1.f : nan;
-        continue;
-      }
-      const float inv = fq / amax;
-      scale[m] = amax * (1.f / fq);
-      int64_t i = 0;
-#if defined(__AVX2__)
-      if constexpr (std::is_same_v<typename S::T, float>) {
-        const __m256 vinv = _mm256_set1_ps(inv);
-        const __m256i hi = _mm256_set1_epi32(qmax), lo = _mm256_set1_epi32(-qmax);
-        for (; i + 8 <= k; i += 8) {  // round half to even (the default rounding mode)
-          __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + i), vinv));
-          c = _mm256_max_epi32(_mm256_min_epi32(c, hi), lo);
-          _mm_storeu_si128((__m128i*)(out + i),
-                           _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1)));
-        }
-      }
-#endif
-      for (; i < k; ++i) {
-        const float v = std::nearbyint(S::load(row, i) * inv);
-        out[i] = static_cast<int16_t>(std::min(fq, std::max(-fq, v)));
-      }
-    }
-  });
-}
 
 // c[MR][16] += the sums over pairs [j0, j1) of rows a (stride lda int16) with the panel b
 template <int MR>
@@ -208,11 +140,7 @@ torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor panels, torch::Tensor w_s
   auto q = torch::empty({rows, kp}, x.options().dtype(torch::kShort));
   auto sx = torch::empty({rows}, x.options().dtype(torch::kFloat));
   auto ws = w_scale.contiguous();
-  torch::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == n, "bias must be (N) in x's dtype");
-    b = bias->contiguous();
-  }
+  const torch::Tensor b = checked_bias(bias, x, n);
   if (x.scalar_type() == torch::kBFloat16) {
     quantize_rows<BF16>(reinterpret_cast<const uint16_t*>(x2.data_ptr()), rows, k, kp, qmax, q.data_ptr<int16_t>(),
                         sx.data_ptr<float>());

@@ -13,6 +13,7 @@
 // FMA, an ulp or two of the output. AVX-512 loops where the CPU has them (16 values at a time), the
 // int32 sums made and scaled 256 rows at a time so they stay in cache.
 #include <torch/extension.h>
+#include "quantize_rows.h"
 #include "scalar_types.h"
 #include <ATen/Parallel.h>
 
@@ -29,84 +30,6 @@ namespace {
 constexpr int64_t kChunkRows = 256;
 
 using namespace heterollm_cpu;
-
-#if defined(__AVX512F__)
-// 16 values at a time. Loads widen to fp32; the bf16 store rounds to nearest even with a NaN kept a
-// NaN, in integer ops (the same bits as float_to_bf16, denormals included, which vcvtneps2bf16 would
-// flush).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(uint16_t* p, __m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)),
-                                                _mm512_set1_epi32(0x7F800000));
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
-  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(r));
-}
-#endif
-
-template <typename S>
-void quantize_rows(const typename S::T* x, int64_t rows, int64_t k, int8_t* q, float* scale) {
-  // a row this small would overflow 127 / amax: it is taken as zeros. A row with a NaN or an infinity
-  // gets zero codes and a NaN scale, so its outputs are NaN (as F.linear's would be), not numbers.
-  const float tiny = 127.f / std::numeric_limits<float>::max();
-  uint32_t nan_bits = 0x7FC00000u;
-  float nan;
-  std::memcpy(&nan, &nan_bits, sizeof(nan));
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const typename S::T* row = x + m * k;
-      float amax = 0.f;
-      bool finite = true;  // tested on the bits: -ffast-math assumes no NaN or infinity in float compares
-      int64_t i = 0;
-#if defined(__AVX512F__)
-      __m512 vmax = _mm512_setzero_ps();
-      __mmask16 special = 0;
-      const __m512i exponent = _mm512_set1_epi32(0x7F800000);
-      for (; i + 16 <= k; i += 16) {
-        const __m512 v = load16(row + i);
-        special |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), exponent), exponent);
-        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
-      }
-      amax = _mm512_reduce_max_ps(vmax);
-      finite = special == 0;
-#endif
-      for (; i < k; ++i) {
-        const float v = S::load(row, i);
-        uint32_t bits;
-        std::memcpy(&bits, &v, sizeof(bits));
-        finite = finite && (bits & 0x7F800000u) != 0x7F800000u;
-        amax = std::max(amax, std::fabs(v));
-      }
-      int8_t* out = q + m * k;
-      if (!finite || !(amax > tiny)) {
-        std::memset(out, 0, k);
-        scale[m] = finite ? 1.f : nan;
-        continue;
-      }
-      const float inv = 127.f / amax;
-      scale[m] = amax * (1.f / 127.f);  // a product: -ffast-math turns / 127 into one anyway
-      i = 0;
-#if defined(__AVX512F__)
-      const __m512 vinv = _mm512_set1_ps(inv);
-      for (; i + 16 <= k; i += 16) {  // round half to even (the default rounding mode), at most 127 in size
-        __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(load16(row + i), vinv));
-        c = _mm512_max_epi32(_mm512_min_epi32(c, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
-        _mm_storeu_si128((__m128i*)(out + i), _mm512_cvtepi32_epi8(c));
-      }
-#endif
-      for (; i < k; ++i) {
-        float v = std::nearbyint(S::load(row, i) * inv);  // the default rounding mode: half to even
-        out[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
-      }
-    }
-  });
-}
 
 template <typename S>
 void dequantize_rows(const int32_t* acc, const float* row_scale, const float* w_scale, const typename S::T* bias,
@@ -148,17 +71,13 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor w_
   auto q = torch::empty({rows, k}, x.options().dtype(torch::kChar));
   auto row_scale = torch::empty({rows}, x.options().dtype(torch::kFloat));
   auto ws = w_scale.contiguous();
-  torch::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == n, "bias must be (N) in x's dtype");
-    b = bias->contiguous();
-  }
+  const torch::Tensor b = checked_bias(bias, x, n);
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
   if (bf16) {
-    quantize_rows<BF16>(reinterpret_cast<const uint16_t*>(x2.data_ptr()), rows, k, q.data_ptr<int8_t>(),
+    quantize_rows<BF16>(reinterpret_cast<const uint16_t*>(x2.data_ptr()), rows, k, k, 127, q.data_ptr<int8_t>(),
                         row_scale.data_ptr<float>());
   } else {
-    quantize_rows<F32>(x2.data_ptr<float>(), rows, k, q.data_ptr<int8_t>(), row_scale.data_ptr<float>());
+    quantize_rows<F32>(x2.data_ptr<float>(), rows, k, k, 127, q.data_ptr<int8_t>(), row_scale.data_ptr<float>());
   }
   auto y = torch::empty({rows, n}, x.options());
   // the int32 sums of CHUNK rows at a time, scaled while they are still in cache: a prefill's whole
