@@ -156,3 +156,39 @@ def test_decoder_layers_share_one_compiled_region_each(family, tmp_path, monkeyp
     regions = [name for name, _ in gm.named_children() if name.startswith("subgraph")]
     calls = [node for node in gm.graph.nodes if node.target is torch.ops.higher_order.invoke_subgraph]
     assert len(regions) == 2 and len(calls) == 2 * 2  # begin and finish; two layers
+
+
+@pytest.mark.parametrize("quantization", [None, "wint8", "wint4", "w8a8"])
+def test_every_kernel_a_step_calls_has_a_fake_that_matches_the_real_op(folder, quantization):
+    """The compiled step runs without inductor's size asserts (graph_runner.py), so the C++ kernels'
+    fakes must give the real outputs' shapes, dtypes and strides: every heterollm_cpu call of a prefill
+    and decode steps, recorded with its real arguments, goes through torch.library.opcheck."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func.namespace == "heterollm_cpu":
+                calls.append((func, torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, (args, kwargs))))
+            return func(*args, **kwargs)
+
+    flags = {"quantization": quantization} if quantization else {}
+    llm = LLM(str(folder), dtype="float32", block_size=4, num_gpu_blocks_override=64, **flags)
+    try:
+        with Record():
+            llm.generate(PROMPTS[:2], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    seen = {}
+    for func, (args, kwargs) in calls:
+        seen.setdefault(func, (args, kwargs))
+    names = {str(func) for func in seen}
+    assert {"heterollm_cpu.paged_decode.default", "heterollm_cpu.rms_norm.default"} <= names, names
+    if quantization in ("wint8", "w8a8"):
+        assert "heterollm_cpu.int8_gemm.default" in names or "heterollm_cpu.w8a8_linear.default" in names, names
+    if quantization == "wint4":
+        assert "heterollm_cpu.int4_linear.default" in names, names
+    for func, (args, kwargs) in seen.items():
+        torch.library.opcheck(func, args, kwargs, test_utils=("test_schema", "test_faketensor"))
