@@ -259,3 +259,23 @@ def test_backends_command(cli, fake_dists):
     assert "LlamaForCausalLM" in r.out and "template (heterollm-backend-template" in r.out
     assert "template_fast_path" in r.out
     assert "Traceback" not in r.out + r.err
+
+
+def test_discovering_every_backend_does_not_import_dynamo():
+    """An API server loads every installed backend's entry points to check its flags, and its imports
+    are start-up time before the engine core spawns: torch._dynamo alone is ~1.7 s on 2 cores
+    (torch.nn.attention's bias and varlen modules import it; the attention backends import those at
+    their first use)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from heterollm.config import load_config\n"
+            "from heterollm.plugins import resolve\n"
+            "import heterollm.engine.core_client, heterollm.entrypoints.openai.server\n"
+            "loaded = load_config(['--model', '/nonexistent/model'])\n"
+            "assert len([m for m in sys.modules if m.startswith('heterollm_')]) > 10\n"
+            "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout

@@ -20,6 +20,7 @@ the kernel call itself (its stride handling for the packed view, its causal alig
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Callable
 
@@ -28,10 +29,20 @@ import torch
 from heterollm.interfaces import AttentionInputs
 from heterollm.model_executor.paged_attention import PagedMetadata, TorchPagedAttention
 
-try:
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # torch < 2.13
-    varlen_attn = None
+
+def _has_varlen() -> bool:
+    try:
+        return importlib.util.find_spec("torch.nn.attention.varlen") is not None
+    except ImportError:
+        return False
+
+
+def varlen_attn(*args, **kwargs) -> torch.Tensor:
+    """torch's `varlen_attn` (torch >= 2.13), imported at its first call: the module imports dynamo,
+    ~1.7 s an API server (which loads every backend's entry points) need not spend."""
+    from torch.nn.attention.varlen import varlen_attn as kernel
+
+    return kernel(*args, **kwargs)
 
 VARLEN_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -67,7 +78,7 @@ def cumulative(lens: list[int]) -> torch.Tensor:
 class CudaPagedAttention(TorchPagedAttention):
     """The core's torch paged attention on CUDA tensors, steps with a prefill through varlen_attn."""
 
-    varlen: Callable[..., torch.Tensor] | None = staticmethod(varlen_attn) if varlen_attn is not None else None
+    varlen: Callable[..., torch.Tensor] | None = staticmethod(varlen_attn) if _has_varlen() else None
     """The varlen kernel (torch's), or None where this torch has none."""
 
     def uses_varlen(self, query: torch.Tensor) -> bool:

@@ -31,7 +31,6 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from heterollm.interfaces import AttentionBackend, AttentionInputs, AttentionMetadata
 
@@ -195,6 +194,8 @@ class TorchPagedAttention(AttentionBackend):
             elif p.kv_start is None:  # plain causal
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
             else:
+                from torch.nn.attention.bias import causal_lower_right  # imports dynamo: not at an API server's start
+
                 bias = causal_lower_right(q.shape[2], k.shape[2])
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
             out[p.start:p.end] = o[0].transpose(0, 1)
