@@ -90,3 +90,44 @@ def test_metadata_cache_is_invalidated_when_the_file_changes(tmp_path, monkeypat
         f.write(b"\0" * 32)
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
     assert gguf_cache.cache_folder(path) not in (folder, gguf_cache.cache_folder(moved))
+
+
+def _tensor_table(reader):
+    return [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset, t.data.tobytes()) for t in reader.tensors]
+
+
+@pytest.mark.parametrize("alignment", [32, 64])
+def test_the_tensor_reader_steps_over_metadata_arrays_to_the_same_tensors(tmp_path, alignment):
+    """loader.tensor_reader skips arrays of strings and scalars without reading them; every tensor
+    (name, type, shape, offset, bytes) and every field name must be GGUFReader's, and the scalar
+    fields after the arrays must read the same: a wrong skip shifts all of them."""
+    from heterollm.model_executor.loader import tensor_reader
+
+    out = tmp_path / "arrays.gguf"
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_custom_alignment(alignment)
+    w.add_array("test.strings", ["", "a", "\u00e9t\u00e9", "x" * 300, "\n\0"])
+    w.add_array("test.ints", list(range(-5, 1000)))
+    w.add_array("test.floats", [0.5, -1.25, 3.0])
+    w.add_array("test.bools", [True, False, True])
+    w.add_array("test.empty", [])
+    w.add_array("test.nested", [[1, 2], [3]])
+    w.add_string("test.after", "still here")
+    w.add_uint64("test.number", 12345678901)
+    rng = np.random.default_rng(0)
+    w.add_tensor("a", rng.standard_normal((3, 7)).astype(np.float32))
+    w.add_tensor("b", gguf.quants.quantize(rng.standard_normal((4, 64)).astype(np.float32), KIND.Q4_1),
+                 raw_dtype=KIND.Q4_1)
+    w.add_tensor("c", rng.standard_normal(5).astype(np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for path in (out, smollm2_gguf()):
+        fast, slow = tensor_reader(path), gguf.GGUFReader(str(path))
+        assert _tensor_table(fast) == _tensor_table(slow)
+        assert list(fast.fields) == list(slow.fields) and fast.data_offset == slow.data_offset
+    fast = tensor_reader(out)
+    assert fast.fields["test.after"].contents() == "still here" and fast.fields["test.number"].contents() == 12345678901
+    assert fast.fields["test.strings"].types == [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING]
+    assert fast.alignment == alignment
