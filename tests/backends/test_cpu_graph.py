@@ -140,18 +140,23 @@ def test_decoder_layers_share_one_compiled_region_each(family, tmp_path, monkeyp
     constants): compiled once, not once per layer. The tokens are still the eager ones."""
     from torch._inductor.compile_fx import compile_fx
 
-    graphs = []
+    graphs, patches = [], {}
 
     def recording(gm, example_inputs):
         graphs.append(gm)
-        return compile_fx(gm, example_inputs)
+        return compile_fx(gm, example_inputs, config_patches=patches)
+
+    def compile_recording(fn, options=None, **kw):  # the runner's inductor options go to compile_fx
+        patches.update(options or {})
+        return compile(fn, backend=recording, **kw)
 
     folder = build_tiny_model(tmp_path / family, family)
     eager_tokens, _, _ = _run(folder, PROMPTS)
     compile = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile(fn, backend=recording, **kw))
+    monkeypatch.setattr(torch, "compile", compile_recording)
     tokens, _, replays = _run(folder, PROMPTS, enable_graph=True)
     assert replays >= 11 and tokens == eager_tokens
+    assert patches == {"size_asserts": False}
     (gm,) = graphs
     regions = [name for name, _ in gm.named_children() if name.startswith("subgraph")]
     calls = [node for node in gm.graph.nodes if node.target is torch.ops.higher_order.invoke_subgraph]
