@@ -327,7 +327,7 @@ def test_wint4_reproduces_q4_1_weights_exactly(int4_path):
     x = torch.randn(3, k)
     method = WeightOnlyInt4()
     state = method.prepare(w)
-    assert len(state) == (4 if int4_path == "kernel" else 3)
+    assert len(state) == (5 if int4_path == "kernel" else 3)
     y = method.apply(state, x, None)
     torch.testing.assert_close(y, F.linear(x, w), atol=1e-3, rtol=1e-4)
 
@@ -343,22 +343,22 @@ def test_wint4_error_on_random_weights_and_bias(int4_path):
 
 @pytest.mark.skipif(not kernels.available(), reason="CPU kernels not built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 32, 33, 100])  # tiles of 4 rows and their tails; > 32: dequantize + GEMM
-@pytest.mark.parametrize("n, k, group", [(40, 64, 32), (96, 256, 128), (24, 192, 64)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 100, 128, 129])  # tiles of 3 rows and their tails; > 128: dequantize + GEMM
+@pytest.mark.parametrize("n, k, group", [(40, 64, 32), (96, 256, 128), (24, 192, 64), (16, 32, 32)])
 def test_int4_kernel_is_the_dequantized_weights_product(dtype, rows, n, k, group):
     """`heterollm_cpu::int4_linear` against F.linear on the weight its codes stand for (in float64): any
-    output width, groups wider than the 32-feature block, the bias added, x's dtype kept."""
-    from heterollm_cpu.linear import dequantize_int4_blocks, pack_int4_blocks
+    output width (a partial last panel), groups wider than 32 features, the bias added, x's dtype kept."""
+    from heterollm_cpu.linear import dequantize_int4_panels, pack_int4_panels
 
     torch.manual_seed(rows)
     codes = torch.randint(0, 16, (n, k))
     scale, low = torch.rand(n, k // group) * 0.1 + 0.01, torch.randn(n, k // group)
-    packed = pack_int4_blocks(codes)
-    w = dequantize_int4_blocks(packed, scale, low, group)
+    panels, scales, mins = pack_int4_panels(codes, scale, low)
+    w = dequantize_int4_panels(panels, scales, mins, group, n)
     torch.testing.assert_close(w, (codes.float().view(n, -1, group) * scale[..., None] + low[..., None]).view(n, k))
     x, bias = torch.randn(rows, k, dtype=dtype), torch.randn(n, dtype=dtype)
     for b in (None, bias):
-        y = torch.ops.heterollm_cpu.int4_linear(x.view(1, rows, k), packed, scale, low, group, b)
+        y = torch.ops.heterollm_cpu.int4_linear(x.view(1, rows, k), panels, scales, mins, group, n, b)
         assert y.shape == (1, rows, n) and y.dtype == dtype
         ref = F.linear(x.double(), w.double(), None if b is None else b.double())
         tol = 1e-4 if dtype == torch.float32 else 1e-2
@@ -366,7 +366,41 @@ def test_int4_kernel_is_the_dequantized_weights_product(dtype, rows, n, k, group
 
 
 @pytest.mark.skipif(not kernels.available(), reason="CPU kernels not built")
-@pytest.mark.parametrize("rows", [3, 40])  # the int16 path and the dequantize + GEMM path
+@pytest.mark.parametrize("rows", [1, 4])
+def test_int4_kernel_sums_a_wide_group_without_overflow(rows):
+    """A group of 8,192 features (a GPTQ layer with one group per row) at the largest codes and
+    activations: 4,096 pair products of 2 * 15 * 32767 would overflow int32, so the kernel adds its
+    int32 sums into fp32 every 2,048 pairs."""
+    from heterollm_cpu.linear import dequantize_int4_panels, pack_int4_panels
+
+    n, k = 16, 8192
+    codes = torch.full((n, k), 15)
+    codes[1] = 0
+    scale, low = torch.full((n, 1), 0.5), torch.zeros(n, 1)
+    panels, scales, mins = pack_int4_panels(codes, scale, low)
+    x = torch.ones(rows, k) * 3.0
+    y = torch.ops.heterollm_cpu.int4_linear(x, panels, scales, mins, k, n, None)
+    ref = F.linear(x.double(), dequantize_int4_panels(panels, scales, mins, k, n).double())
+    assert ref[0, 0] == 15 * 0.5 * 3.0 * k and ref[0, 1] == 0
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="CPU kernels not built")
+def test_int4_kernel_refuses_a_layout_that_does_not_match():
+    from heterollm_cpu.linear import pack_int4_panels
+
+    panels, scales, mins = pack_int4_panels(torch.randint(0, 16, (40, 64)), torch.rand(40, 2), torch.rand(40, 2))
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="not 50 channels"):
+        torch.ops.heterollm_cpu.int4_linear(x, panels, scales, mins, 32, 50, None)
+    with pytest.raises(RuntimeError, match="does not match the panels' 64 features"):
+        torch.ops.heterollm_cpu.int4_linear(torch.randn(2, 96), panels, scales, mins, 32, 40, None)
+    with pytest.raises(RuntimeError, match="scales must be contiguous"):
+        torch.ops.heterollm_cpu.int4_linear(x, panels, scales[:, :1], mins, 32, 40, None)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="CPU kernels not built")
+@pytest.mark.parametrize("rows", [3, 140])  # the int16 path and the dequantize + GEMM path
 def test_int4_kernel_keeps_a_nan_or_infinity_in_its_row(rows):
     """A row of x with a NaN or an infinity gives outputs that are not numbers (NaN, or infinities as
     F.linear's may be), and only that row: another sequence of the batch keeps its numbers."""
@@ -385,7 +419,7 @@ def test_int4_kernel_keeps_a_nan_or_infinity_in_its_row(rows):
 def test_wint4_float16_activations_go_through_the_kernel_in_fp32():
     """--dtype float16: the kernel takes fp32 / bf16, so fp16 rows (and bias) are widened, multiplied and
     rounded back, not the whole weight dequantized on every call."""
-    from heterollm_cpu.linear import dequantize_int4_blocks
+    from heterollm_cpu.linear import dequantize_int4_panels
 
     torch.manual_seed(0)
     method = WeightOnlyInt4()
@@ -393,7 +427,7 @@ def test_wint4_float16_activations_go_through_the_kernel_in_fp32():
     x, b = torch.randn(3, 64, dtype=torch.float16), torch.randn(48, dtype=torch.float16)
     y = method.apply(state, x, b)
     assert y.dtype == torch.float16
-    ref = F.linear(x.double(), dequantize_int4_blocks(*state).double(), b.double())
+    ref = F.linear(x.double(), dequantize_int4_panels(*state).double(), b.double())
     torch.testing.assert_close(y.double(), ref, atol=2e-2, rtol=2e-3)
 
 

@@ -141,8 +141,8 @@ def _register_fake() -> None:
         return x.new_empty(*x.shape[:-1], w_scale.shape[0])
 
     @torch.library.register_fake("heterollm_cpu::int4_linear")
-    def _(x, codes, scales, mins, group, bias):
-        return x.new_empty(*x.shape[:-1], codes.shape[0])
+    def _(x, panels, scales, mins, group, n, bias):
+        return x.new_empty(*x.shape[:-1], n)
 
 
 def build(verbose: bool = False) -> Path:

@@ -182,22 +182,43 @@ class WeightOnlyInt8(LinearMethod):
         return y if bias is None else y + bias
 
 
-def pack_int4_blocks(codes: torch.Tensor) -> torch.Tensor:
-    """(N, K) codes in [0, 15] -> (N, K / 2) uint8 in `heterollm_cpu::int4_linear`'s order: per block of 32
-    input features, byte j holds feature j in its low nibble and feature j + 16 in its high one."""
+def pack_int4_panels(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(N, K) codes in [0, 15] with (N, K / G) scales and minima -> `heterollm_cpu::int4_linear`'s panels
+    (P, K / 2, 16) uint8 and its panel-major scales and minima (P, K / G, 16) fp32, N padded with zeros
+    to P = ceil(N / 16) panels of 16 output channels: with v[2n + i] = code[16p + n, 2j + i], byte b of
+    pair-row j holds v[b] in its low nibble and v[b + 16] in its high one (csrc/int4_linear.cpp)."""
     n, k = codes.shape
-    blocks = codes.to(torch.uint8).view(n, k // 32, 32)
-    return (blocks[..., :16] | (blocks[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+    p = -(-n // 16)
+    pad = (0, 0, 0, 16 * p - n)
+    v = F.pad(codes.to(torch.uint8), pad).view(p, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(p, k // 2, 32)
+    panels = (v[..., :16] | (v[..., 16:] << 4)).contiguous()
+
+    def panel_major(t: torch.Tensor) -> torch.Tensor:
+        return F.pad(t.float(), pad).view(p, 16, -1).transpose(1, 2).contiguous()
+
+    return panels, panel_major(scale), panel_major(low)
+
+
+def dequantize_int4_panels(panels: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, gs: int,
+                           n: int) -> torch.Tensor:
+    """The fp32 (N, K) weight of `pack_int4_panels`' layout: code * scale + min per group (the layout's
+    reference, which the kernel's tests compare against)."""
+    p, pairs, _ = panels.shape
+    v = torch.cat([panels & 0x0F, panels >> 4], -1).view(p, pairs, 16, 2).permute(0, 2, 1, 3)  # (P, 16, K/2, 2)
+    q = v.reshape(p * 16, -1, gs).float()  # (16 P, K / gs, gs)
+    w = q * scales.transpose(1, 2).reshape(p * 16, -1, 1) + mins.transpose(1, 2).reshape(p * 16, -1, 1)
+    return w.view(p * 16, -1)[:n]
 
 
 class WeightOnlyInt4(LinearMethod):
     """4-bit codes per group of 32 input features, w = code * scale + min (GGUF's Q4_1). With the
     CPU kernels built (x86 with AVX2 + FMA, or the kernel's scalar loop elsewhere) the C++ op
-    `heterollm_cpu::int4_linear` (csrc/int4_linear.cpp) multiplies straight from the codes: measured
-    on 2 AMD EPYC (AVX2) vCPUs, a 1536 x 576 layer at one row takes 54 us against torch's
-    `_weight_int4pack_mm_for_cpu` 900 us and the fp32 GEMM 91 us, before the kernel's int16
-    activations made it 1.45x faster again (bench/RESULTS.md). Without the kernels, torch's int4
-    kernel (which takes output rows in sixteens only)."""
+    `heterollm_cpu::int4_linear` (csrc/int4_linear.cpp) multiplies straight from the codes, packed in
+    panels of 16 output channels (`pack_int4_panels`), up to 128 rows: measured on 2 AMD EPYC (AVX2)
+    vCPUs over SmolLM2's layers, 4.5 ms a step at one row against 5.9 ms for the row-major layout
+    before it (torch's `_weight_int4pack_mm_for_cpu` took 900 us for one 1536 x 576 layer, the kernel
+    now 31 us), and within 10% of the prepacked fp32 GEMM at 33-128 rows (bench/RESULTS.md, session 19). Without the kernels, torch's int4 kernel (which takes
+    output rows in sixteens only)."""
 
     name = "wint4"
     group_size = 32
@@ -216,7 +237,7 @@ class WeightOnlyInt4(LinearMethod):
         scale = ((high - low) / 15).clamp(min=1e-12)
         codes = ((w - low[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.int32).view(n, k)
         if use_kernel:
-            return pack_int4_blocks(codes), scale.contiguous(), low.contiguous(), gs
+            return (*pack_int4_panels(codes, scale, low), gs, n)
         packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
         # the kernel computes (code - 8) * scale + zero, so zero = low + 8 * scale
         scales_and_zeros = torch.stack([scale.t(), (low + 8 * scale).t()], -1).contiguous()  # (k / gs, n, 2)
@@ -227,23 +248,15 @@ class WeightOnlyInt4(LinearMethod):
 
 
 def int4_apply(state: tuple, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ w.T (+ bias) for a state `WeightOnlyInt4.prepare` made (also CheckpointInt4's): 4 tensors and
-    the group for the C++ kernel, 3 for torch's int4 kernel."""
-    if len(state) == 4:  # prepared for the C++ kernel
-        codes, scale, low, gs = state
-        return _in_kernel_dtype(lambda t, b: torch.ops.heterollm_cpu.int4_linear(t, codes, scale, low, gs, b), x, bias)
+    """x @ w.T (+ bias) for a state `WeightOnlyInt4.prepare` made (also CheckpointInt4's): the panels, their
+    scales and minima, the group and the output width for the C++ kernel; 3 entries for torch's int4 kernel."""
+    if len(state) == 5:  # prepared for the C++ kernel
+        panels, scales, mins, gs, n = state
+        return _in_kernel_dtype(lambda t, b: torch.ops.heterollm_cpu.int4_linear(t, panels, scales, mins, gs, n, b),
+                                x, bias)
     packed, scales_and_zeros, gs = state
     y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), packed, gs, scales_and_zeros)
     return y if bias is None else y + bias
-
-
-def dequantize_int4_blocks(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, gs: int) -> torch.Tensor:
-    """The fp32 weight of `pack_int4_blocks`' codes: (N, K) = code * scale + min per group (the layout's
-    reference, which the kernel's tests compare against)."""
-    n = codes.shape[0]
-    blocks = codes.view(n, -1, 16)
-    q = torch.cat([blocks & 0x0F, blocks >> 4], -1).view(n, -1, gs).float()  # (n, k / gs, gs)
-    return (q * scale[..., None] + low[..., None]).view(n, -1)
 
 
 def w8a8_reference(x: torch.Tensor, codes: torch.Tensor, w_scale: torch.Tensor,
@@ -332,8 +345,8 @@ class CheckpointInt4(QuantizedLinearMethod):
             codes = codes[:, order]
             order = None if torch.equal(order, torch.arange(k)) else order
         if kernels.available() and group % 32 == 0 and k % group == 0:  # the C++ kernel: any group of 32s
-            scale = scales.float().contiguous()
-            return pack_int4_blocks(codes), scale, (-zeros.float() * scale).contiguous(), group, order
+            scale = scales.float()
+            return (*pack_int4_panels(codes, scale, -zeros.float() * scale), group, n, order)
         kernel_group = next((g for g in _INT4_GROUPS if group % g == 0 and k % g == 0), None)
         if kernel_group is None:
             return OneDnnLinear().prepare(weight.dequantize())
