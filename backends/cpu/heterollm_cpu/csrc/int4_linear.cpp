@@ -68,13 +68,7 @@ void panel_tile(const int16_t* a, int64_t lda, const float* sx, const float* xsu
         const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + j * 16));
         const __m256i b0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, nibble));                     // channels 0..7
         const __m256i b1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), nibble));  // 8..15
-        for (int m = 0; m < MR; ++m) {
-          int32_t pair;
-          std::memcpy(&pair, a + m * lda + 2 * j, sizeof(pair));
-          const __m256i av = _mm256_set1_epi32(pair);
-          acc[m][0] = _mm256_add_epi32(acc[m][0], _mm256_madd_epi16(av, b0));
-          acc[m][1] = _mm256_add_epi32(acc[m][1], _mm256_madd_epi16(av, b1));
-        }
+        madd_pair<MR>(a, lda, j, b0, b1, acc);
       }
       for (int m = 0; m < MR; ++m) {
         const __m256 sm = _mm256_set1_ps(sx[m]);

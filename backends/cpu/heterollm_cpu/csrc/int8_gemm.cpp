@@ -51,13 +51,7 @@ inline void tile_sums(const int16_t* a, int64_t lda, const int8_t* b, int64_t j0
   for (int64_t j = j0; j < j1; ++j) {
     const __m256i b0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b + j * 32)));
     const __m256i b1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b + j * 32 + 16)));
-    for (int m = 0; m < MR; ++m) {
-      int32_t pair;
-      std::memcpy(&pair, a + m * lda + 2 * j, sizeof(pair));
-      const __m256i av = _mm256_set1_epi32(pair);
-      acc[m][0] = _mm256_add_epi32(acc[m][0], _mm256_madd_epi16(av, b0));
-      acc[m][1] = _mm256_add_epi32(acc[m][1], _mm256_madd_epi16(av, b1));
-    }
+    madd_pair<MR>(a, lda, j, b0, b1, acc);
   }
   for (int m = 0; m < MR; ++m) {
     _mm256_storeu_ps(c + m * kNR, _mm256_add_ps(_mm256_loadu_ps(c + m * kNR), _mm256_cvtepi32_ps(acc[m][0])));

@@ -1,6 +1,7 @@
 // Per-row symmetric quantization of activations, shared by the int8 linears (int8_linear.cpp's w8a8_linear,
 // int8 codes for torch's _int_mm; int8_gemm.cpp, int16 codes for the AVX2 16-bit multiply-add), and the
-// AVX-512 16-wide loads / stores their loops use. kernels.py hashes this header with the sources.
+// AVX-512 16-wide loads / stores their loops use, and the AVX2 multiply-add of those int16 codes against a
+// panel of 16 output channels (int8_gemm.cpp, int4_linear.cpp). kernels.py hashes this header with the sources.
 //
 // quantize_rows<S>(x (rows, k), rows, k, ld, qmax, q (rows, ld), scale (rows)): per row m,
 // amax = max |x[m, :]| (fp32), q = round_half_even(x * (qmax / amax)) in [-qmax, qmax], scale = amax * (1 / qmax);
@@ -137,6 +138,22 @@ void quantize_rows(const typename S::T* x, int64_t rows, int64_t k, int64_t ld, 
     }
   });
 }
+
+#if defined(__AVX2__)
+// acc[m][0 / 1] += the pair of int16 codes 2j, 2j + 1 of row m of a (row stride lda), broadcast, times b0 / b1:
+// a panel's int16 weights of those two features for channels 0..7 / 8..15, interleaved by feature
+// (_mm256_madd_epi16 adds the two products of each channel into its int32 lane)
+template <int MR>
+inline void madd_pair(const int16_t* a, int64_t lda, int64_t j, __m256i b0, __m256i b1, __m256i (&acc)[MR][2]) {
+  for (int m = 0; m < MR; ++m) {
+    int32_t pair;
+    std::memcpy(&pair, a + m * lda + 2 * j, sizeof(pair));
+    const __m256i av = _mm256_set1_epi32(pair);
+    acc[m][0] = _mm256_add_epi32(acc[m][0], _mm256_madd_epi16(av, b0));
+    acc[m][1] = _mm256_add_epi32(acc[m][1], _mm256_madd_epi16(av, b1));
+  }
+}
+#endif
 
 // A linear's optional bias: (N) in x's dtype, contiguous; undefined when absent.
 inline at::Tensor checked_bias(const c10::optional<at::Tensor>& bias, const at::Tensor& x, int64_t n) {
