@@ -10,7 +10,8 @@ from heterollm.model_executor import ops
 from heterollm.model_executor.linear_method import model_bytes, prepare_linears, select_linear_method
 from heterollm_cpu import kernels
 from heterollm_cpu.linear import (DynamicInt8, OneDnnLinear, WeightOnlyInt4, WeightOnlyInt8, int8_per_channel,
-                                  pack_int8_panels, unpack_int8_panels, w8a8_reference)
+                                  pack_int8_panels, pack_int8_quads, unpack_int8_panels, unpack_int8_quads,
+                                  w8a8_reference)
 
 
 def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -59,9 +60,10 @@ def test_w8a8_error_within_its_quantization_bound(dtype):
     x[2] *= 50  # rows of very different ranges: each row its own scale
     x[3, 7] = 40  # an outlier widens its own row's scale only
     method = DynamicInt8()
-    codes, scale = method.prepare(w)
-    assert codes.dtype == torch.int8 and codes.abs().max() == 127 and scale.dtype == torch.float32
-    y = method.apply((codes, scale), x, None)
+    state = method.prepare(w)  # whichever kernel this CPU takes: its layout of int8_per_channel's codes
+    codes, scale = int8_per_channel(w)
+    assert codes.dtype == torch.int8 and codes.abs().max() == 127 and torch.equal(state[1], scale)
+    y = method.apply(state, x, None)
     exact = F.linear(x.double(), w.double())
     rounding = exact.abs() * (2 ** -8 if dtype == torch.bfloat16 else 1e-6)
     assert ((y.double() - exact).abs() <= _w8a8_bound(x, w) + rounding + 1e-6).all()
@@ -166,6 +168,7 @@ def test_w8a8_on_an_x86_cpu_without_int8_dot_products(monkeypatch, caplog, flags
     with caplog.at_level(logging.WARNING, logger="heterollm.cpu.linear"):
         method = DynamicInt8()
     assert method.panels == (slow and built)
+    assert method.dot == ("avx512_vnni" in flags and "amx_int8" not in flags and built)
     assert ("--quantization w8a8: this CPU has no int8 dot-product instructions (VNNI or AMX-int8)" in caplog.text) \
         == (slow and not built)
 
@@ -264,6 +267,127 @@ def test_int8_gemm_refuses_mismatched_inputs():
         torch.ops.heterollm_cpu.int8_gemm(torch.randn(2, 30), panels, torch.ones(40), 127, None)
     with pytest.raises(RuntimeError, match=r"qmax must be in \[1, 32767\]"):
         torch.ops.heterollm_cpu.int8_gemm(torch.randn(2, 30), panels, scale, 40000, None)
+
+
+@pytest.mark.parametrize("n, k", [(40, 64), (33, 65), (16, 4), (100, 600), (7, 1), (5, 6)])
+def test_int8_quads_round_trip(n, k):
+    """`pack_int8_quads` puts codes[16p + c, 4j + i] at panels[p, j, c, i] (zero padding rows and columns)
+    and w_sums = 128 * each channel's sum of codes."""
+    codes = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    panels, w_sums = pack_int8_quads(codes)
+    assert panels.shape == ((n + 15) // 16, (k + 3) // 4, 16, 4) and panels.is_contiguous()
+    assert torch.equal(unpack_int8_quads(panels, n, k), codes)
+    p, j, c, i = (n - 1) // 16, (k - 1) // 4, (n - 1) % 16, (k - 1) % 4
+    assert panels[p, j, c, i] == codes[n - 1, k - 1]
+    assert panels.sum(dtype=torch.int64) == codes.sum(dtype=torch.int64)
+    assert w_sums.dtype == torch.int32 and w_sums.tolist() == (128 * codes.long().sum(1)).tolist()
+
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="CPU kernels not built")
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, n, k", [(1, 40, 64), (2, 33, 65), (8, 16, 37), (9, 48, 600), (17, 100, 1536),
+                                        (300, 24, 1536), (0, 40, 64), (3, 16, 5)])
+def test_int8_dot_gemm_makes_w8a8s_integer_sums(dtype, rows, n, k):
+    """`int8_dot_gemm` (AVX512-VNNI's byte dot product where the CPU has it, a scalar loop elsewhere) quantizes
+    the rows as w8a8 does and makes the same integer sums as torch's _int_mm: it equals `w8a8_reference` up
+    to the last steps' rounding (an int8 code or a sum off by one would move an output by a whole weight
+    step). Covered: tiles of 1-8 rows and their tails, two row blocks (300 rows of 1536), partial last panels,
+    K padded to a multiple of 4 (65, 37, 5), bias and none, rows of zeros, leading dimensions, no rows."""
+    torch.manual_seed(rows * 5 + n)
+    w, b = torch.randn(n, k, dtype=dtype), torch.randn(n, dtype=dtype)
+    x = torch.randn(rows, k, dtype=dtype)
+    if rows > 1:
+        x[1] *= 40  # each row its own scale
+        x[0] = 0
+    codes, scale = int8_per_channel(w)
+    panels, w_sums = pack_int8_quads(codes)
+    ulp = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -22
+    for bias in (None, b):
+        y = torch.ops.heterollm_cpu.int8_dot_gemm(x, panels, scale, w_sums, bias)
+        r = w8a8_reference(x, codes, scale, bias)
+        assert y.shape == (rows, n) and y.dtype == dtype
+        if not rows:
+            continue
+        larger = r.abs().float() + (0 if bias is None else b.abs().float())
+        assert ((y.float() - r.float()).abs() <= larger * ulp * 2).all()
+    lead = x.view(1, rows, k) if rows % 2 else x.view(-1, 2, k) if rows else x.view(0, 5, k)
+    assert torch.equal(torch.ops.heterollm_cpu.int8_dot_gemm(lead, panels, scale, w_sums, None).reshape(rows, n),
+                       torch.ops.heterollm_cpu.int8_dot_gemm(x, panels, scale, w_sums, None))
+
+
+@needs_kernels
+def test_int8_dot_gemm_sums_past_one_int32_chunk():
+    """K beyond the kernel's 65,536-feature int32 chunk (16,384 quads): each chunk's exact int32 sum, then
+    added in fp32. At the largest codes (x all 127 after scaling, w all +-127) one chunk alone would
+    overflow int32 without the split's bound: checked against the float64 product of the codes."""
+    k, n = 65536 + 12, 16
+    codes = torch.full((n, k), 127, dtype=torch.int8)
+    codes[1::2] = -127
+    scale = torch.full((n,), 1 / 127)
+    x = torch.ones(2, k)
+    x[1, ::3] = -1
+    panels, w_sums = pack_int8_quads(codes)
+    y = torch.ops.heterollm_cpu.int8_dot_gemm(x, panels, scale, w_sums, None)
+    exact = (x.double() * 127).round() @ codes.double().t() * (1 / 127) * (1 / 127)
+    assert (y.double() - exact).abs().max() <= exact.abs().max() * 2 ** -22
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_dot_gemm_rows_with_nan_or_infinity_give_nan_and_tiny_rows_zero(dtype):
+    """A NaN or an infinity in a row (in the 16-wide loop's columns or the tail's) makes that row NaN and
+    leaves the others alone; a row of zeros or too small to scale gives the bias."""
+    torch.manual_seed(4)
+    w, b, x = torch.randn(20, 21), torch.randn(20), torch.randn(7, 21)
+    x[0, 3], x[1, 18], x[2, 5], x[3, 20] = float("nan"), float("nan"), float("inf"), float("-inf")
+    x[4], x[5] = 1e-38, 0
+    codes, scale = int8_per_channel(w)
+    panels, w_sums = pack_int8_quads(codes)
+    y = torch.ops.heterollm_cpu.int8_dot_gemm(x.to(dtype), panels, scale, w_sums, b.to(dtype))
+    assert y[:4].isnan().all()
+    assert torch.equal(y[4:6].float(), b.to(dtype).float().expand(2, -1))
+    assert y[6].isfinite().all() and _rel_err(y[6:], F.linear(x[6:], w, b)) < 0.02
+
+
+@needs_kernels
+def test_int8_dot_gemm_refuses_mismatched_inputs():
+    codes, scale = int8_per_channel(torch.randn(20, 30))
+    panels, w_sums = pack_int8_quads(codes)
+    with pytest.raises(RuntimeError, match="does not match the panels' 32 features"):
+        torch.ops.heterollm_cpu.int8_dot_gemm(torch.randn(2, 28), panels, scale, w_sums, None)
+    with pytest.raises(RuntimeError, match="panels hold 2 panels of 16, w_scale 40 channels"):
+        torch.ops.heterollm_cpu.int8_dot_gemm(torch.randn(2, 30), panels, torch.ones(40), torch.zeros(40, dtype=torch.int32), None)
+    with pytest.raises(RuntimeError, match=r"w_sums must be \(N\) int32"):
+        torch.ops.heterollm_cpu.int8_dot_gemm(torch.randn(2, 30), panels, scale, w_sums.float(), None)
+    with pytest.raises(RuntimeError, match=r"panels must be \(P, ceil\(K / 4\), 16, 4\) int8"):
+        torch.ops.heterollm_cpu.int8_dot_gemm(torch.randn(2, 30), pack_int8_panels(codes), scale, w_sums, None)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_w8a8_on_int8_dot_gemm_is_its_torch_path(monkeypatch, dtype):
+    """With AVX512-VNNI (forced here, so any CPU runs the route: the op's scalar loop without VNNI) w8a8 packs
+    quads and runs `int8_dot_gemm`: the same numbers as `w8a8_reference`, leading dimensions and bias kept;
+    float16 goes through fp32."""
+    import heterollm_cpu.linear as cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "_cpu_flags", lambda: {"avx2", "avx512f", "avx512_vnni"})
+    method = DynamicInt8()
+    assert method.dot and not method.panels
+    torch.manual_seed(6)
+    w, b, x = torch.randn(40, 96), torch.randn(40), torch.randn(2, 5, 96)
+    weight = w.to(dtype) if dtype != torch.float16 else w  # w8a8 takes fp32 or bf16 weights
+    state = method.prepare(weight)
+    assert len(state) == 3 and state[0].shape == (3, 24, 16, 4)
+    y = method.apply(state, x.to(dtype), b.to(dtype))
+    codes, scale = int8_per_channel(weight)
+    r = w8a8_reference(x.to(dtype), codes, scale, b.to(dtype)).float()
+    assert y.dtype == dtype and y.shape == (2, 5, 40)
+    ulp = 2 ** -22 if dtype == torch.float32 else 2 ** -10 if dtype == torch.float16 else 2 ** -7
+    assert ((y.float() - r).abs() <= (r.abs() + b.to(dtype).float().abs()) * ulp * 2).all()
 
 
 @pytest.fixture(params=["kernel", "torch"])
