@@ -6,11 +6,12 @@
 For each row count M: the 121 linears of one SmolLM2-135M forward (30 x qkv 960x576, o 576x576,
 gate_up 3072x576, down 576x1536, and the 49152x576 output projection; 8 layers only above 64 rows),
 one after the other on fresh random weights (their bytes exceed the caches, as a decode step's do),
-x of M random rows. Each method as the engine prepares it (heterollm_cpu.linear): float32 prepacked
+x of M random rows in --dtype (float32, or bfloat16: what `--dtype auto` picks on a CPU with
+AVX512-bf16). Each method as the engine prepares it (heterollm_cpu.linear): the --dtype weight prepacked
 for oneDNN (`linear.none`), `wint8` on `heterollm_cpu::int8_gemm` and on torch's
-`_weight_int8pack_mm` (what wint8 runs without the kernels), `w8a8` on whichever path this CPU takes,
-`wint4` on `heterollm_cpu::int4_linear`. Best of --repeats passes; "x fp32" is the float32 time over
-the row's (> 1: faster than float32); GB/s counts each method's weight bytes once per pass.
+`_weight_int8pack_mm` (what wint8 runs without the kernels), `w8a8` on whichever path this CPU takes (int8_dot_gemm with AVX512-VNNI),
+`wint4` on `heterollm_cpu::int4_linear`. Best of --repeats passes; "x fp32" ("x bf16") is the --dtype
+oneDNN time over the row's (> 1: faster than it); GB/s counts each method's weight bytes once per pass.
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,4,16,64,512")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the activations' and the unquantized weight's dtype (the quantized ones are made from it)")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
 
@@ -37,12 +40,16 @@ def main() -> None:
     if not kernels.available():
         raise SystemExit("the CPU kernels are not built: `python -m heterollm_cpu.kernels` (scripts/setup.sh does)")
     torch.manual_seed(0)
-    weights = [torch.randn(n, k) * 0.05 for n, k in SHAPES]
+    dtype = getattr(torch, args.dtype)
+    short = {"float32": "fp32", "bfloat16": "bf16"}[args.dtype]
+    base = f"{args.dtype} (oneDNN)"
+    weights = [(torch.randn(n, k) * 0.05).to(dtype) for n, k in SHAPES]
     wint8 = cpu_linear.WeightOnlyInt8()
-    methods = {"float32 (oneDNN)": cpu_linear.OneDnnLinear(), "wint8 int8_gemm": wint8, "wint8 torch": wint8,
+    methods = {base: cpu_linear.OneDnnLinear(), "wint8 int8_gemm": wint8, "wint8 torch": wint8,
                "w8a8": cpu_linear.DynamicInt8(), "wint4 int4_linear": cpu_linear.WeightOnlyInt4()}
     states = {name: [method.prepare(w) for w in weights] for name, method in methods.items() if name != "wint8 torch"}
-    states["wint8 torch"] = [cpu_linear.int8_per_channel(w) for w in weights]  # plain codes: the torch path
+    # plain codes, the scales in x's dtype: the torch path
+    states["wint8 torch"] = [(c, sc.to(dtype)) for c, sc in map(cpu_linear.int8_per_channel, weights)]
     if states["wint8 int8_gemm"][0][0].dim() != 4:
         raise SystemExit("wint8 does not run int8_gemm on this CPU (it needs AVX2)")
 
@@ -54,7 +61,7 @@ def main() -> None:
     rows_out = []
     for m in (int(r) for r in args.rows.split(",")):
         layers = len(SHAPES) if m <= 64 else 8
-        xs = {k: torch.randn(m, k) for k in (576, 1536)}
+        xs = {k: torch.randn(m, k).to(dtype) for k in (576, 1536)}
         row = {"rows": m}
         for name, method in methods.items():
             if name == "wint8 torch" and m > 64:
@@ -76,16 +83,18 @@ def main() -> None:
         cols.append((name, f"{name} ms", 2))
     for r in rows_out:
         for name in names[1:]:
-            r[f"x {name}"] = r["float32 (oneDNN)"] / r[name] if r.get(name) else None
-    cols += [(f"x {name}", f"x fp32 {name.split()[0]}" + (" torch" if name == "wint8 torch" else ""), 2)
+            r[f"x {name}"] = r[base] / r[name] if r.get(name) else None
+    cols += [(f"x {name}", f"x {short} {name.split()[0]}" + (" torch" if name == "wint8 torch" else ""), 2)
              for name in names[1:]]
+    w8a8 = methods["w8a8"]
+    w8a8_path = "int8_dot_gemm" if w8a8.dot else "int8_gemm" if w8a8.panels else "torch._int_mm / w8a8_linear"
     common.print_table("Linear methods on SmolLM2-135M's 121 layer shapes (ms per pass)", rows_out, cols, [
-        f"w8a8 runs {'int8_gemm' if methods['w8a8'].panels else 'torch._int_mm / w8a8_linear'} on this CPU; "
+        f"w8a8 runs {w8a8_path} on this CPU; "
         "above 64 rows 8 layers per pass; torch threads %d" % torch.get_num_threads(),
         "GB/s at <= 64 rows: " + ", ".join(f"{n} {rows_out[0].get(n + ' GB/s', 0):.1f}" for n in names
                                             if rows_out and rows_out[0].get(n + " GB/s")) + f" (at {rows_out[0]['rows']} rows)"
         if rows_out else ""])
-    common.write_json(args.json, {"rows": rows_out, "machine": common.machine_info()})
+    common.write_json(args.json, {"rows": rows_out, "dtype": args.dtype, "machine": common.machine_info()})
 
 
 if __name__ == "__main__":
