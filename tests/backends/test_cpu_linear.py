@@ -241,17 +241,23 @@ def test_int8_gemm_at_qmax_127_is_w8a8(dtype):
     assert ((y.float() - r.float()).abs() <= (r.abs().float() + b.abs().float()) * ulp * 2).all()
 
 
-@needs_int8_gemm
+@pytest.mark.parametrize("op", ["int8_gemm", "int8_dot_gemm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_gemm_rows_with_nan_or_infinity_give_nan_and_tiny_rows_zero(dtype):
-    """A NaN or an infinity in a row (in the 8-wide loop's columns or the tail's) makes that row NaN and
+def test_int8_kernels_rows_with_nan_or_infinity_give_nan_and_tiny_rows_zero(op, dtype):
+    """A NaN or an infinity in a row (in the vector loop's columns or the tail's) makes that row NaN and
     leaves the others alone; a row of zeros or too small to scale gives the bias."""
+    if not kernels.available() or (op == "int8_gemm" and "avx2" not in kernels.vector_features()):
+        pytest.skip(f"{op} needs the CPU kernels" + (" of an AVX2 CPU" if op == "int8_gemm" else ""))
     torch.manual_seed(4)
     w, b, x = torch.randn(20, 21), torch.randn(20), torch.randn(7, 21)
     x[0, 3], x[1, 18], x[2, 5], x[3, 20] = float("nan"), float("nan"), float("inf"), float("-inf")
     x[4], x[5] = 1e-38, 0
     codes, scale = int8_per_channel(w)
-    y = torch.ops.heterollm_cpu.int8_gemm(x.to(dtype), pack_int8_panels(codes), scale, 32767, b.to(dtype))
+    if op == "int8_gemm":
+        y = torch.ops.heterollm_cpu.int8_gemm(x.to(dtype), pack_int8_panels(codes), scale, 32767, b.to(dtype))
+    else:
+        panels, w_sums = pack_int8_quads(codes)
+        y = torch.ops.heterollm_cpu.int8_dot_gemm(x.to(dtype), panels, scale, w_sums, b.to(dtype))
     assert y[:4].isnan().all()
     assert torch.equal(y[4:6].float(), b.to(dtype).float().expand(2, -1))
     assert y[6].isfinite().all() and _rel_err(y[6:], F.linear(x[6:], w, b)) < 0.02
@@ -333,23 +339,6 @@ def test_int8_dot_gemm_sums_past_one_int32_chunk():
     y = torch.ops.heterollm_cpu.int8_dot_gemm(x, panels, scale, w_sums, None)
     exact = (x.double() * 127).round() @ codes.double().t() * (1 / 127) * (1 / 127)
     assert (y.double() - exact).abs().max() <= exact.abs().max() * 2 ** -22
-
-
-@needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_dot_gemm_rows_with_nan_or_infinity_give_nan_and_tiny_rows_zero(dtype):
-    """A NaN or an infinity in a row (in the 16-wide loop's columns or the tail's) makes that row NaN and
-    leaves the others alone; a row of zeros or too small to scale gives the bias."""
-    torch.manual_seed(4)
-    w, b, x = torch.randn(20, 21), torch.randn(20), torch.randn(7, 21)
-    x[0, 3], x[1, 18], x[2, 5], x[3, 20] = float("nan"), float("nan"), float("inf"), float("-inf")
-    x[4], x[5] = 1e-38, 0
-    codes, scale = int8_per_channel(w)
-    panels, w_sums = pack_int8_quads(codes)
-    y = torch.ops.heterollm_cpu.int8_dot_gemm(x.to(dtype), panels, scale, w_sums, b.to(dtype))
-    assert y[:4].isnan().all()
-    assert torch.equal(y[4:6].float(), b.to(dtype).float().expand(2, -1))
-    assert y[6].isfinite().all() and _rel_err(y[6:], F.linear(x[6:], w, b)) < 0.02
 
 
 @needs_kernels

@@ -142,10 +142,8 @@ torch::Tensor int8_dot_gemm(torch::Tensor x, torch::Tensor panels, torch::Tensor
   TORCH_CHECK(kp == (k + 3) / 4 * 4, "x's last dimension (", k, ") does not match the panels' ", kp, " features");
   TORCH_CHECK(panels.size(0) == (n + kNR - 1) / kNR, "panels hold ", panels.size(0), " panels of 16, w_scale ", n,
               " channels");
-  auto x2 = x.reshape({-1, k}).contiguous();
+  const auto [x2, out_shape] = as_rows(x, n);
   const int64_t rows = x2.size(0);
-  auto out_shape = x.sizes().vec();
-  out_shape.back() = n;
   auto y = torch::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y.view(out_shape);
   auto q = torch::empty({rows, kp}, x.options().dtype(torch::kChar));
@@ -153,12 +151,7 @@ torch::Tensor int8_dot_gemm(torch::Tensor x, torch::Tensor panels, torch::Tensor
   auto ws = w_scale.contiguous();
   auto wsum = w_sums.contiguous();
   const torch::Tensor b = checked_bias(bias, x, n);
-  if (x.scalar_type() == torch::kBFloat16) {
-    quantize_rows<BF16>(reinterpret_cast<const uint16_t*>(x2.data_ptr()), rows, k, kp, 127, q.data_ptr<int8_t>(),
-                        sx.data_ptr<float>());
-  } else {
-    quantize_rows<F32>(x2.data_ptr<float>(), rows, k, kp, 127, q.data_ptr<int8_t>(), sx.data_ptr<float>());
-  }
+  quantize_rows_of(x2, kp, 127, q.data_ptr<int8_t>(), sx.data_ptr<float>());
   // q + 128 as unsigned bytes (the padding columns too: their weights are zero)
   uint8_t* u = reinterpret_cast<uint8_t*>(q.data_ptr<int8_t>());
   const int64_t total = rows * kp;

@@ -125,24 +125,20 @@ torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor panels, torch::Tensor w_s
   TORCH_CHECK(kp == k + (k & 1), "x's last dimension (", k, ") does not match the panels' ", kp, " features");
   TORCH_CHECK(panels.size(0) == (n + kNR - 1) / kNR, "panels hold ", panels.size(0), " panels of 16, w_scale ", n,
               " channels");
-  auto x2 = x.reshape({-1, k}).contiguous();
+  const auto [x2, out_shape] = as_rows(x, n);
   const int64_t rows = x2.size(0);
-  auto out_shape = x.sizes().vec();
-  out_shape.back() = n;
   auto y = torch::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y.view(out_shape);
   auto q = torch::empty({rows, kp}, x.options().dtype(torch::kShort));
   auto sx = torch::empty({rows}, x.options().dtype(torch::kFloat));
   auto ws = w_scale.contiguous();
   const torch::Tensor b = checked_bias(bias, x, n);
+  quantize_rows_of(x2, kp, qmax, q.data_ptr<int16_t>(), sx.data_ptr<float>());
   if (x.scalar_type() == torch::kBFloat16) {
-    quantize_rows<BF16>(reinterpret_cast<const uint16_t*>(x2.data_ptr()), rows, k, kp, qmax, q.data_ptr<int16_t>(),
-                        sx.data_ptr<float>());
     gemm<BF16>(q.data_ptr<int16_t>(), sx.data_ptr<float>(), panels.data_ptr<int8_t>(), ws.data_ptr<float>(),
                b.defined() ? reinterpret_cast<const uint16_t*>(b.data_ptr()) : nullptr, rows, kp, n,
                reinterpret_cast<uint16_t*>(y.data_ptr()));
   } else {
-    quantize_rows<F32>(x2.data_ptr<float>(), rows, k, kp, qmax, q.data_ptr<int16_t>(), sx.data_ptr<float>());
     gemm<F32>(q.data_ptr<int16_t>(), sx.data_ptr<float>(), panels.data_ptr<int8_t>(), ws.data_ptr<float>(),
               b.defined() ? b.data_ptr<float>() : nullptr, rows, kp, n, y.data_ptr<float>());
   }

@@ -63,22 +63,15 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor w_
   TORCH_CHECK(x.size(-1) == codes.size(1), "x's last dimension must be codes' K");
   TORCH_CHECK(w_scale.scalar_type() == torch::kFloat && w_scale.numel() == codes.size(0), "w_scale must be (N) float32");
   const int64_t k = codes.size(1), n = codes.size(0);
-  auto x2 = x.reshape({-1, k}).contiguous();
+  const auto [x2, out_shape] = as_rows(x, n);
   const int64_t rows = x2.size(0);
-  auto out_shape = x.sizes().vec();
-  out_shape.back() = n;
   if (rows == 0) return torch::empty(out_shape, x.options());
   auto q = torch::empty({rows, k}, x.options().dtype(torch::kChar));
   auto row_scale = torch::empty({rows}, x.options().dtype(torch::kFloat));
   auto ws = w_scale.contiguous();
   const torch::Tensor b = checked_bias(bias, x, n);
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
-  if (bf16) {
-    quantize_rows<BF16>(reinterpret_cast<const uint16_t*>(x2.data_ptr()), rows, k, k, 127, q.data_ptr<int8_t>(),
-                        row_scale.data_ptr<float>());
-  } else {
-    quantize_rows<F32>(x2.data_ptr<float>(), rows, k, k, 127, q.data_ptr<int8_t>(), row_scale.data_ptr<float>());
-  }
+  quantize_rows_of(x2, k, 127, q.data_ptr<int8_t>(), row_scale.data_ptr<float>());
   auto y = torch::empty({rows, n}, x.options());
   // the int32 sums of CHUNK rows at a time, scaled while they are still in cache: a prefill's whole
   // (rows, N) int32 product would go out to memory and back

@@ -17,6 +17,8 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
+#include <vector>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -137,6 +139,23 @@ void quantize_rows(const typename S::T* x, int64_t rows, int64_t k, int64_t ld, 
       }
     }
   });
+}
+
+// quantize_rows on x2, (rows, k) contiguous fp32 or bf16
+template <typename Q>
+void quantize_rows_of(const at::Tensor& x2, int64_t ld, int64_t qmax, Q* q, float* scale) {
+  if (x2.scalar_type() == at::kBFloat16) {
+    quantize_rows<BF16>(reinterpret_cast<const uint16_t*>(x2.data_ptr()), x2.size(0), x2.size(1), ld, qmax, q, scale);
+  } else {
+    quantize_rows<F32>(x2.data_ptr<float>(), x2.size(0), x2.size(1), ld, qmax, q, scale);
+  }
+}
+
+// A linear's input x (..., K) as contiguous rows (rows, K), and its output's shape (..., n)
+inline std::pair<at::Tensor, std::vector<int64_t>> as_rows(const at::Tensor& x, int64_t n) {
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = n;
+  return {x.reshape({-1, x.size(-1)}).contiguous(), out_shape};
 }
 
 #if defined(__AVX2__)
