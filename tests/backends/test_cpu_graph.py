@@ -12,7 +12,7 @@ from heterollm.config import load_config
 from heterollm.interfaces import AttentionInputs, ForwardContext, StepInputs
 from heterollm.model_executor.paged_attention import TorchPagedAttention
 from heterollm_cpu.attention import CpuPagedAttention
-from heterollm_cpu.graph_runner import CpuGraphRunner
+from heterollm_cpu.graph_runner import CpuGraphRunner, inductor_options
 from helpers import build_tiny_model, hf_greedy
 
 PROMPTS = [[5, 6, 7], list(range(100, 130)), [9] * 4]
@@ -133,6 +133,36 @@ def test_later_batch_sizes_reuse_the_start_up_graphs(folder):
         llm.shutdown()
 
 
+def test_inductor_skips_its_vector_isa_probe_only_where_the_kernels_are_built(monkeypatch):
+    """Built kernels (g++ -march=native for this CPU's flags) stand for inductor's per-ISA test
+    programs; without them inductor probes as usual."""
+    from heterollm_cpu import kernels
+
+    monkeypatch.setattr(kernels, "_loaded", True)
+    assert inductor_options() == {"size_asserts": False, "cpp.vec_isa_ok": True}
+    monkeypatch.setattr(kernels, "_loaded", False)
+    assert inductor_options() == {"size_asserts": False}
+
+
+def test_the_trusted_vector_isas_are_the_ones_inductor_probes():
+    """What inductor targets when told to trust /proc/cpuinfo (`cpp.vec_isa_ok`) is what its own
+    build-and-load probe finds on this machine: the same ISAs, the same bf16 support."""
+    from torch._inductor import config
+    from torch._inductor import cpu_vec_isa as isa
+
+    def picked(ok):
+        isa.valid_vec_isa_list.cache_clear()
+        with config.patch({"cpp.vec_isa_ok": ok}):
+            found = isa.valid_vec_isa_list()
+            return [(str(v), v.build_arch_flags()) for v in found], str(isa.pick_vec_isa())
+
+    try:
+        trusted, probed = picked(True), picked(None)
+    finally:
+        isa.valid_vec_isa_list.cache_clear()
+    assert trusted == probed and trusted[0]
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_decoder_layers_share_one_compiled_region_each(family, tmp_path, monkeypatch):
     """The compiled step holds one graph of the layer before its attention and one after it, which
@@ -156,7 +186,7 @@ def test_decoder_layers_share_one_compiled_region_each(family, tmp_path, monkeyp
     monkeypatch.setattr(torch, "compile", compile_recording)
     tokens, _, replays = _run(folder, PROMPTS, enable_graph=True)
     assert replays >= 11 and tokens == eager_tokens
-    assert patches == {"size_asserts": False}
+    assert patches == inductor_options() and patches["size_asserts"] is False
     (gm,) = graphs
     regions = [name for name, _ in gm.named_children() if name.startswith("subgraph")]
     calls = [node for node in gm.graph.nodes if node.target is torch.ops.higher_order.invoke_subgraph]

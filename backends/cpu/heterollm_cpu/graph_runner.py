@@ -11,10 +11,11 @@ Prefill and mixed steps stay eager.
 The models mark a decoder layer's two halves around its attention as compile regions
 (llama.py's `DecoderLayer.begin` / `finish`): dynamo traces each once and every other layer reuses
 its graph with its own weights (the packed weights are graph inputs: linear.py's `PackedWeight`),
-so inductor lowers and compiles one layer, not 30. Compiling SmolLM2's graph costs about 22 s on 2
-cores the first time (`capture` compiles at start-up, before the engine takes requests; 45 s
-without the regions; bench/RESULTS.md); inductor caches the result on disk (TORCHINDUCTOR_CACHE_DIR),
-so a restart only traces the model again. The graph is
+so inductor lowers and compiles one layer, not 30. Compiling SmolLM2's graph costs about 17 s on 2
+cores the first time (`capture` compiles at start-up, before the engine takes requests; 45 s without
+the regions, 26 s with inductor's vector-ISA probe that `inductor_options` skips; bench/RESULTS.md);
+inductor caches the result on disk (TORCHINDUCTOR_CACHE_DIR), so a restart only traces the model
+again. The graph is
 specialized on torch's thread count: changing it afterwards compiles again (`heterollm serve` sets
 its threads before the warm-up). Measured in bench/RESULTS.md (2026-12-04, 2026-12-06, 2026-12-07)."""
 from __future__ import annotations
@@ -28,6 +29,24 @@ import torch.fx.experimental._config as fx_config
 from heterollm.interfaces import DecodeInputs, GraphRunner, StepForward, StepInputs
 
 logger = logging.getLogger("heterollm.cpu.graph")
+
+
+def inductor_options() -> dict[str, bool]:
+    """Inductor's options for the compiled step. Where this CPU's kernels are built (`kernels.available`:
+    g++ `-march=native` for the vector flags /proc/cpuinfo lists, part of the build's key), the compiler
+    is known to emit this CPU's vector instructions, so inductor's own probe of each vector ISA (a test
+    program compiled and loaded per ISA, ~9 of a 34 s cold start on 2 cores: bench/RESULTS.md, session
+    21) is skipped: `cpp.vec_isa_ok` trusts the ISAs it picks from the same /proc/cpuinfo flags.
+    Without the kernels inductor probes as usual."""
+    from heterollm_cpu import kernels
+
+    # no size asserts: inductor's wrapper would check every subgraph input and kernel output (~900
+    # Python calls a SmolLM2 step, ~7% of a batch-1 step); dynamo's guards check the step's inputs,
+    # and tests/backends/test_cpu_graph.py checks every kernel's fake against the real op
+    options = {"size_asserts": False}
+    if kernels.available():
+        options["cpp.vec_isa_ok"] = True
+    return options
 
 
 class CpuGraphRunner(GraphRunner):
@@ -60,10 +79,7 @@ class CpuGraphRunner(GraphRunner):
         self.compiled, self.max_batch = None, 0
         if not batch_sizes or not make_inputs(1).ctx.metadata.dynamic_dims():
             return
-        # no size asserts: inductor's wrapper would check every subgraph input and kernel output (~900
-        # Python calls a SmolLM2 step, ~7% of a batch-1 step); dynamo's guards check the step's inputs,
-        # and tests/backends/test_cpu_graph.py checks every kernel's fake against the real op
-        self.compiled = torch.compile(forward, dynamic=False, options={"size_asserts": False})
+        self.compiled = torch.compile(forward, dynamic=False, options=inductor_options())
         self.max_batch = max(batch_sizes)
         try:
             for n in sorted({min(2, self.max_batch), 1}, reverse=True):
