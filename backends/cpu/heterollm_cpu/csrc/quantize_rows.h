@@ -56,7 +56,9 @@ void quantize_rows(const typename S::T* x, int64_t rows, int64_t k, int64_t ld, 
   uint32_t nan_bits = 0x7FC00000u;
   float nan;
   std::memcpy(&nan, &nan_bits, sizeof(nan));
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  // at least 16 rows and 16K values a thread: a fork costs more than quantizing fewer (one decode row's groups)
+  const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 14) / std::max<int64_t>(k, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const typename S::T* row = x + m * k;
       Q* out = q + m * ld;
