@@ -10,7 +10,8 @@ x of M random rows in --dtype (float32, or bfloat16: what `--dtype auto` picks o
 AVX512-bf16). Each method as the engine prepares it (heterollm_cpu.linear): the --dtype weight prepacked
 for oneDNN (`linear.none`), `wint8` on `heterollm_cpu::int8_gemm` and on torch's
 `_weight_int8pack_mm` (what wint8 runs without the kernels), `w8a8` on whichever path this CPU takes (int8_dot_gemm with AVX512-VNNI),
-`wint4` on `heterollm_cpu::int4_linear`. Best of --repeats passes; "x fp32" ("x bf16") is the --dtype
+`wint4` on `heterollm_cpu::int4_linear` and, with AVX512-VNNI, on `int4_dot_linear` (what wint4 runs
+there, x rounded to int8 per group of 32). Best of --repeats passes; "x fp32" ("x bf16") is the --dtype
 oneDNN time over the row's (> 1: faster than it); GB/s counts each method's weight bytes once per pass.
 """
 from __future__ import annotations
@@ -45,8 +46,14 @@ def main() -> None:
     base = f"{args.dtype} (oneDNN)"
     weights = [(torch.randn(n, k) * 0.05).to(dtype) for n, k in SHAPES]
     wint8 = cpu_linear.WeightOnlyInt8()
+    wint4_panels, wint4 = cpu_linear.WeightOnlyInt4(), cpu_linear.WeightOnlyInt4()
+    wint4_panels.dot = False  # the AVX2 kernel, measured beside the VNNI one where both run
     methods = {base: cpu_linear.OneDnnLinear(), "wint8 int8_gemm": wint8, "wint8 torch": wint8,
-               "w8a8": cpu_linear.DynamicInt8(), "wint4 int4_linear": cpu_linear.WeightOnlyInt4()}
+               "w8a8": cpu_linear.DynamicInt8(), "wint4 int4_linear": wint4_panels}
+    if wint4.dot:
+        methods["wint4 int4_dot_linear"] = wint4
+    labels = {"wint8 int8_gemm": "wint8", "wint8 torch": "wint8 torch", "w8a8": "w8a8", "wint4 int4_linear": "wint4",
+              "wint4 int4_dot_linear": "wint4 dot"}
     states = {name: [method.prepare(w) for w in weights] for name, method in methods.items() if name != "wint8 torch"}
     # plain codes, the scales in x's dtype: the torch path
     states["wint8 torch"] = [(c, sc.to(dtype)) for c, sc in map(cpu_linear.int8_per_channel, weights)]
@@ -84,8 +91,7 @@ def main() -> None:
     for r in rows_out:
         for name in names[1:]:
             r[f"x {name}"] = r[base] / r[name] if r.get(name) else None
-    cols += [(f"x {name}", f"x {short} {name.split()[0]}" + (" torch" if name == "wint8 torch" else ""), 2)
-             for name in names[1:]]
+    cols += [(f"x {name}", f"x {short} {labels[name]}", 2) for name in names[1:]]
     w8a8 = methods["w8a8"]
     w8a8_path = "int8_dot_gemm" if w8a8.dot else "int8_gemm" if w8a8.panels else "torch._int_mm / w8a8_linear"
     common.print_table("Linear methods on SmolLM2-135M's 121 layer shapes (ms per pass)", rows_out, cols, [

@@ -193,8 +193,8 @@ def test_decoder_layers_share_one_compiled_region_each(family, tmp_path, monkeyp
     assert len(regions) == 2 and len(calls) == 2 * 2  # begin and finish; two layers
 
 
-@pytest.mark.parametrize("quantization", [None, "wint8", "wint4", "w8a8"])
-def test_every_kernel_a_step_calls_has_a_fake_that_matches_the_real_op(folder, quantization):
+@pytest.mark.parametrize("quantization", [None, "wint8", "wint4", "wint4-vnni", "w8a8"])
+def test_every_kernel_a_step_calls_has_a_fake_that_matches_the_real_op(folder, quantization, monkeypatch):
     """The compiled step runs without inductor's size asserts (graph_runner.py), so the C++ kernels'
     fakes must give the real outputs' shapes, dtypes and strides: every heterollm_cpu call of a prefill
     and decode steps, recorded with its real arguments, goes through torch.library.opcheck."""
@@ -209,6 +209,12 @@ def test_every_kernel_a_step_calls_has_a_fake_that_matches_the_real_op(folder, q
                 calls.append((func, torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, (args, kwargs))))
             return func(*args, **kwargs)
 
+    if quantization == "wint4-vnni":  # int4_dot_linear on any CPU (its scalar loop without VNNI)
+        import heterollm_cpu.linear as cpu_linear
+
+        vnni = cpu_linear._cpu_flags() | {"avx512f", "avx512_vnni"}
+        monkeypatch.setattr(cpu_linear, "_cpu_flags", lambda: vnni)
+        quantization = "wint4"
     flags = {"quantization": quantization} if quantization else {}
     llm = LLM(str(folder), dtype="float32", block_size=4, num_gpu_blocks_override=64, **flags)
     try:
@@ -225,6 +231,9 @@ def test_every_kernel_a_step_calls_has_a_fake_that_matches_the_real_op(folder, q
         assert names & {"heterollm_cpu.int8_gemm.default", "heterollm_cpu.w8a8_linear.default",
                         "heterollm_cpu.int8_dot_gemm.default"}, names
     if quantization == "wint4":
-        assert "heterollm_cpu.int4_linear.default" in names, names
+        from heterollm_cpu.linear import WeightOnlyInt4
+
+        op = "int4_dot_linear" if WeightOnlyInt4().dot else "int4_linear"
+        assert f"heterollm_cpu.{op}.default" in names, names
     for func, (args, kwargs) in seen.items():
         torch.library.opcheck(func, args, kwargs, test_utils=("test_schema", "test_faketensor"))

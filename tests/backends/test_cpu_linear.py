@@ -418,14 +418,53 @@ def test_int8_gemm_traces_under_torch_compile():
     torch.testing.assert_close(compiled(x), method.apply(state, x, None))
 
 
-@pytest.fixture(params=["kernel", "torch"])
-def int4_path(request, monkeypatch):
-    """wint4 on the C++ kernel (`heterollm_cpu::int4_linear`) or on torch's int4 kernel (no CPU kernels built)."""
-    if request.param == "kernel" and not kernels.available():
+def _int4_route(route: str, monkeypatch) -> str:
+    import heterollm_cpu.linear as cpu_linear
+
+    if route != "torch" and not kernels.available():
         pytest.skip("CPU kernels not built")
-    if request.param == "torch":
+    flags = {"avx2", "fma"} | ({"avx512f", "avx512_vnni"} if route == "dot" else set())
+    monkeypatch.setattr(cpu_linear, "_cpu_flags", lambda: flags)
+    if route == "torch":
         monkeypatch.setattr(kernels, "available", lambda: False)
-    return request.param
+    assert WeightOnlyInt4().dot == (route == "dot")
+    return route
+
+
+@pytest.fixture(params=["kernel", "dot", "torch"])
+def int4_path(request, monkeypatch):
+    """wint4 on the C++ kernel of AVX2 CPUs (`heterollm_cpu::int4_linear`), on the AVX512-VNNI one
+    (`int4_dot_linear`: the CPU flags forced, so any CPU runs the route, its scalar loop without VNNI), or
+    on torch's int4 kernel (no CPU kernels built)."""
+    return _int4_route(request.param, monkeypatch)
+
+
+@pytest.fixture(params=["kernel", "dot"])
+def int4_kernel_path(request, monkeypatch):
+    """`int4_path`'s two C++ kernels."""
+    return _int4_route(request.param, monkeypatch)
+
+
+def int4_dot_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
+                       group: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`heterollm_cpu::int4_dot_linear` in torch ops, in float64 after the activation codes: each
+    group of a row of x quantized as quantize_rows.h does (fp32: s = max |x| / 127, q = round(x * (127 / max))
+    half to even; a group of zeros: q = 0, s = 1; a NaN or an infinity: s = NaN), y = sum_g (q . code) * s *
+    scale + min * (the group's sum of x), with the (N, K / G) scales and minima as the kernel holds them."""
+    k, n = x.shape[-1], codes.shape[0]
+    g = x.reshape(-1, k).float().view(-1, k // group, group)
+    amax = g.abs().amax(-1, keepdim=True)
+    finite = g.isfinite().all(-1, keepdim=True)
+    live = finite & (amax > torch.tensor(127, dtype=torch.float32) / torch.finfo(torch.float32).max)
+    inv = torch.where(live, torch.full_like(amax, 127).div_(amax), torch.zeros_like(amax))
+    q = torch.where(live, g * inv, 0).round_().clamp_(-127, 127)
+    s = torch.where(live, amax * (1 / 127), torch.where(finite, 1.0, float("nan")))[..., 0]  # (rows, G)
+    dot = torch.einsum("rgf,ngf->rng", q.double(), codes.view(n, k // group, group).double())
+    y = (dot * (s.double()[:, None, :] * scale.double()[None])).sum(-1)
+    y = y + (g.double().sum(-1)[:, None, :] * low.double()[None]).sum(-1)
+    if bias is not None:
+        y = y + bias.double()
+    return y.view(*x.shape[:-1], n)
 
 
 def test_wint4_reproduces_q4_1_weights_exactly(int4_path):
@@ -440,9 +479,17 @@ def test_wint4_reproduces_q4_1_weights_exactly(int4_path):
     x = torch.randn(3, k)
     method = WeightOnlyInt4()
     state = method.prepare(w)
-    assert len(state) == (5 if int4_path == "kernel" else 3)
+    assert len(state) == (3 if int4_path == "torch" else 5)
     y = method.apply(state, x, None)
-    torch.testing.assert_close(y, F.linear(x, w), atol=1e-3, rtol=1e-4)
+    if int4_path != "dot":
+        torch.testing.assert_close(y, F.linear(x, w), atol=1e-3, rtol=1e-4)
+        return
+    # the codes survive exactly, the scales and minima to fp16; x goes in as int8 per group of 32
+    from heterollm_cpu.linear import dequantize_int4_panels, unpack_int4_quads
+
+    assert torch.equal(unpack_int4_quads(state[0], n), codes.view(n, k).to(torch.uint8))
+    torch.testing.assert_close(dequantize_int4_panels(*state), w, atol=2e-3, rtol=1e-3)
+    torch.testing.assert_close(y, F.linear(x, w), atol=0.02 * F.linear(x, w).abs().max().item(), rtol=0)
 
 
 def test_wint4_error_on_random_weights_and_bias(int4_path):
@@ -512,9 +559,8 @@ def test_int4_kernel_refuses_a_layout_that_does_not_match():
         torch.ops.heterollm_cpu.int4_linear(x, panels, scales[:, :1], mins, 32, 40, None)
 
 
-@pytest.mark.skipif(not kernels.available(), reason="CPU kernels not built")
-@pytest.mark.parametrize("rows", [3, 140])  # the int16 path and the dequantize + GEMM path
-def test_int4_kernel_keeps_a_nan_or_infinity_in_its_row(rows):
+@pytest.mark.parametrize("rows", [3, 140])  # the quantized path and the dequantize + GEMM path
+def test_int4_kernel_keeps_a_nan_or_infinity_in_its_row(int4_kernel_path, rows):
     """A row of x with a NaN or an infinity gives outputs that are not numbers (NaN, or infinities as
     F.linear's may be), and only that row: another sequence of the batch keeps its numbers."""
     method = WeightOnlyInt4()
@@ -528,9 +574,17 @@ def test_int4_kernel_keeps_a_nan_or_infinity_in_its_row(rows):
     torch.testing.assert_close(y[3:], clean[3:])
 
 
-@pytest.mark.skipif(not kernels.available(), reason="CPU kernels not built")
-def test_wint4_float16_activations_go_through_the_kernel_in_fp32():
-    """--dtype float16: the kernel takes fp32 / bf16, so fp16 rows (and bias) are widened, multiplied and
+def _quads_as_rows(state: tuple) -> tuple[torch.Tensor, ...]:
+    """A `pack_int4_quads` state back as (N, K) codes and (N, K / G) scales and minima (fp16 values)."""
+    from heterollm_cpu.linear import unpack_int4_quads
+
+    panels, scales, mins, group, n = state
+    rows = lambda t: t.transpose(1, 2).reshape(-1, t.shape[1])[:n]  # noqa: E731
+    return unpack_int4_quads(panels, n).long(), rows(scales), rows(mins), group
+
+
+def test_wint4_float16_activations_go_through_the_kernel_in_fp32(int4_kernel_path):
+    """--dtype float16: the kernels take fp32 / bf16, so fp16 rows (and bias) are widened, multiplied and
     rounded back, not the whole weight dequantized on every call."""
     from heterollm_cpu.linear import dequantize_int4_panels
 
@@ -540,13 +594,123 @@ def test_wint4_float16_activations_go_through_the_kernel_in_fp32():
     x, b = torch.randn(3, 64, dtype=torch.float16), torch.randn(48, dtype=torch.float16)
     y = method.apply(state, x, b)
     assert y.dtype == torch.float16
-    ref = F.linear(x.double(), dequantize_int4_panels(*state).double(), b.double())
+    if int4_kernel_path == "dot":
+        ref = int4_dot_reference(x.float(), *_quads_as_rows(state), b.float())
+    else:
+        ref = F.linear(x.double(), dequantize_int4_panels(*state).double(), b.double())
     torch.testing.assert_close(y.double(), ref, atol=2e-2, rtol=2e-3)
 
 
-@pytest.mark.skipif(not kernels.available(), reason="CPU kernels not built")
-def test_int4_kernel_traces_under_torch_compile():
-    """The op has a shape rule: a compiled step (--enable_graph) takes it into its graph."""
+@pytest.mark.parametrize("n, k", [(40, 64), (16, 32), (33, 96), (100, 576)])
+def test_int4_quads_round_trip(n, k):
+    """`pack_int4_quads`: 64-byte octet rows of 16 channels (zero codes pad N), byte 4n + i holding features
+    8t + i (low nibble) and 8t + 4 + i (high); the panel-major scales and minima in fp16."""
+    from heterollm_cpu.linear import pack_int4_quads, unpack_int4_quads
+
+    torch.manual_seed(n)
+    codes, scale, low = torch.randint(0, 16, (n, k)), torch.rand(n, k // 32), torch.randn(n, k // 32)
+    panels, scales, mins = pack_int4_quads(codes, scale, low)
+    p = -(-n // 16)
+    assert panels.shape == (p, k // 8, 64) and panels.dtype == torch.uint8
+    assert scales.shape == mins.shape == (p, k // 32, 16) and scales.dtype == mins.dtype == torch.float16
+    assert panels[0, 0, 4 * 1 + 2].item() == codes[1, 2].item() | codes[1, 6].item() << 4
+    assert torch.equal(unpack_int4_quads(panels, n), codes.to(torch.uint8))
+    back = _quads_as_rows((panels, scales, mins, 32, n))
+    assert torch.equal(back[1], scale.half()) and torch.equal(back[2], low.half())
+    assert not panels[n // 16:].any() if n % 16 == 0 else not unpack_int4_quads(panels, 16 * p)[n:].any()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 128])  # tiles of 4 rows and their tails
+@pytest.mark.parametrize("n, k, group", [(40, 64, 32), (96, 256, 128), (24, 192, 64), (16, 32, 32), (33, 1536, 32)])
+def test_int4_dot_linear_is_its_reference(dtype, rows, n, k, group):
+    """`heterollm_cpu::int4_dot_linear` against `int4_dot_reference` (the same activation codes,
+    the integer sums exact): any output width (a partial last panel), groups wider than 32, leading
+    dimensions, the bias added, x's dtype kept."""
+    from heterollm_cpu.linear import pack_int4_quads
+
+    torch.manual_seed(rows * 7 + n)
+    codes = torch.randint(0, 16, (n, k))
+    scale, low = torch.rand(n, k // group) * 0.1 + 0.01, torch.randn(n, k // group)
+    panels, scales, mins = pack_int4_quads(codes, scale, low)
+    x, bias = torch.randn(rows, k, dtype=dtype), torch.randn(n, dtype=dtype)
+    for b in (None, bias):
+        y = torch.ops.heterollm_cpu.int4_dot_linear(x.view(1, rows, k), panels, scales, mins, group, n, b)
+        assert y.shape == (1, rows, n) and y.dtype == dtype
+        ref = int4_dot_reference(x, codes, scale.half(), low.half(), group, b)
+        tol = 1e-5 if dtype == torch.float32 else 8e-3
+        torch.testing.assert_close(y[0].double(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_dot_linear_takes_prefill_rows_in_blocks(dtype):
+    """Prefill-sized inputs go through the same int8 products, in row blocks of 256 KB of codes (170 rows of
+    1,536 features): 300 and 700 rows against `int4_dot_reference`."""
+    from heterollm_cpu.linear import pack_int4_quads
+
+    torch.manual_seed(1)
+    n, k = 40, 1536
+    codes, scale, low = torch.randint(0, 16, (n, k)), torch.rand(n, k // 32) * 0.1, torch.randn(n, k // 32)
+    state = pack_int4_quads(codes, scale, low)
+    for rows in (300, 700):
+        x, b = torch.randn(rows, k, dtype=dtype), torch.randn(n, dtype=dtype)
+        y = torch.ops.heterollm_cpu.int4_dot_linear(x, *state, 32, n, b)
+        ref = int4_dot_reference(x, codes, scale.half(), low.half(), 32, b)
+        tol = 1e-5 if dtype == torch.float32 else 8e-3
+        torch.testing.assert_close(y.double(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 140])
+def test_int4_dot_linear_sums_a_wide_group(rows):
+    """One group of 8,192 features at the largest codes and activation codes (15 * 127 * 8,192 in int32)."""
+    from heterollm_cpu.linear import pack_int4_quads
+
+    n, k = 16, 8192
+    codes = torch.full((n, k), 15)
+    codes[1] = 0
+    panels, scales, mins = pack_int4_quads(codes, torch.full((n, 1), 0.5), torch.zeros(n, 1))
+    y = torch.ops.heterollm_cpu.int4_dot_linear(torch.full((rows, k), 3.0), panels, scales, mins, k, n, None)
+    assert (y[:, 0] == 15 * 0.5 * 3.0 * k).all() and (y[:, 1] == 0).all()
+
+
+@needs_kernels
+def test_int4_dot_linear_refuses_a_layout_that_does_not_match():
+    from heterollm_cpu.linear import pack_int4_panels, pack_int4_quads
+
+    codes, scale, low = torch.randint(0, 16, (40, 64)), torch.rand(40, 2), torch.rand(40, 2)
+    panels, scales, mins = pack_int4_quads(codes, scale, low)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="not 50 channels"):
+        torch.ops.heterollm_cpu.int4_dot_linear(x, panels, scales, mins, 32, 50, None)
+    with pytest.raises(RuntimeError, match="does not match the panels' 64 features"):
+        torch.ops.heterollm_cpu.int4_dot_linear(torch.randn(2, 96), panels, scales, mins, 32, 40, None)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        torch.ops.heterollm_cpu.int4_dot_linear(x, panels, scales, mins, 12, 40, None)
+    with pytest.raises(RuntimeError, match=r"scales must be contiguous \(P, K / group, 16\) float16"):
+        torch.ops.heterollm_cpu.int4_dot_linear(x, panels, scales.float(), mins, 32, 40, None)
+    with pytest.raises(RuntimeError, match=r"panels must be \(P, K / 8, 64\) uint8"):
+        torch.ops.heterollm_cpu.int4_dot_linear(x, pack_int4_panels(codes, scale, low)[0], scales, mins, 32, 40, None)
+
+
+def test_wint4_keeps_fp32_scales_for_a_layer_past_fp16s_range(int4_kernel_path):
+    """The VNNI layout holds scales and minima in fp16: a layer whose groups reach past 65,504 is packed for
+    `int4_linear` (fp32 scales) instead, and still gives F.linear's numbers to 4-bit precision."""
+    torch.manual_seed(0)
+    w = torch.randn(32, 64)
+    w[3, 5] = 1e6
+    method = WeightOnlyInt4()
+    state = method.prepare(w)
+    assert state[0].shape[-1] == 16 and state[1].dtype == torch.float32
+    assert method.prepare(torch.randn(32, 64))[0].shape[-1] == (64 if int4_kernel_path == "dot" else 16)
+    x = torch.randn(2, 64)
+    assert _rel_err(method.apply(state, x, None), F.linear(x, w)) < 0.01
+
+
+def test_int4_kernel_traces_under_torch_compile(int4_kernel_path):
+    """The ops have a shape rule: a compiled step (--enable_graph) takes them into its graph."""
     torch.manual_seed(0)
     method = WeightOnlyInt4()
     state = method.prepare(torch.randn(48, 64))

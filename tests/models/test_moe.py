@@ -119,7 +119,9 @@ def test_quantization_covers_the_experts(moe_model, flag):
     outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outs):
         ref = hf_logprobs(folder, prompt)[-1]
-        assert ref.max().item() - ref[out.outputs[0].token_ids[0]].item() < 0.3, name
+        # a random token sits ~2.6 below the best here (median); wint4's VNNI route (int8 activations, as
+        # llama.cpp's Q4_1 x Q8_1) picked a third choice 0.39 below it on qwen3_moe-step2
+        assert ref.max().item() - ref[out.outputs[0].token_ids[0]].item() < (0.5 if flag == "wint4" else 0.3), name
 
 
 @pytest.mark.parametrize("flag", ["wint8", "wint4"])
@@ -147,12 +149,26 @@ def test_quantized_experts_compute_with_their_dequantized_weights(flag):
     assert not torch.equal(d13, w13) and (d13 - w13).abs().max() < (0.02 if flag == "wint8" else 0.1)
     got = layer(x, weights, ids)
     ref = per_token_reference(x, d13, d2, weights, ids)
-    # the kernels round activations to int16 (wint4's per block of 32, wint8's `int8_gemm` per row, to
-    # 1 / 65534 of the largest): ~1e-4 of the output's size, which the fp32 paths (torch's) do not add
+    # the kernels round activations: to int16 (`int4_linear` per block of 32, wint8's `int8_gemm` per row, to
+    # 1 / 65534 of the largest), ~1e-4 of the output's size, which the fp32 paths (torch's) do not add; to
+    # int8 per group of 32 (`int4_dot_linear`, the AVX512-VNNI route: 1 / 254 of the group's largest, in
+    # both of an expert's products), 2.9% of the output's size here
     rounded = isinstance(layer.states13[0][0], torch.Tensor) and layer.states13[0][0].dim() == 4 if flag == "wint8" \
         else kernels.available()
-    tol = 3e-4 * ref.abs().max().item() if rounded else 1e-4
+    dot = flag == "wint4" and layer.states13[0][0].shape[-1] == 64
+    tol = (5e-2 if dot else 3e-4) * ref.abs().max().item() if rounded else 1e-4
     torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=tol)
+    # the method's own products, token by token (its activation rounding is per row): the same numbers up to
+    # fp32 rounding, which may move an int8 activation code by one (2e-3 of the output's size at most)
+    apply = [lambda t, e=e, s=s: method.apply(s[e], t[None], None)[0] for s in (layer.states13, layer.states2)
+             for e in range(experts)]
+    exact = torch.zeros(tokens, hidden, dtype=torch.float64)
+    for t in range(tokens):
+        for j in range(k):
+            e = int(ids[t, j])
+            gate, up = apply[e](x[t]).chunk(2)
+            exact[t] += float(weights[t, j]) * apply[experts + e](F.silu(gate) * up).double()
+    torch.testing.assert_close(got.double(), exact, rtol=1e-4, atol=2e-3 * exact.abs().max().item())
 
 
 def test_quantized_checkpoints_are_refused_and_moe_gguf_files_are_not(tmp_path):

@@ -212,36 +212,94 @@ def pack_int4_panels(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor
     pad = (0, 0, 0, 16 * p - n)
     v = F.pad(codes.to(torch.uint8), pad).view(p, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(p, k // 2, 32)
     panels = (v[..., :16] | (v[..., 16:] << 4)).contiguous()
+    return panels, _panel_major(scale), _panel_major(low)
 
-    def panel_major(t: torch.Tensor) -> torch.Tensor:
-        return F.pad(t.float(), pad).view(p, 16, -1).transpose(1, 2).contiguous()
 
-    return panels, panel_major(scale), panel_major(low)
+def _panel_major(t: torch.Tensor) -> torch.Tensor:
+    """(N, K / G) per-group values -> (ceil(N / 16), K / G, 16) fp32, the 16 channels of a panel side by side
+    for each group (zero rows pad N)."""
+    p = -(-t.shape[0] // 16)
+    return F.pad(t.float(), (0, 0, 0, 16 * p - t.shape[0])).view(p, 16, -1).transpose(1, 2).contiguous()
+
+
+def pack_int4_quads(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(N, K) codes in [0, 15] with (N, K / G) scales and minima -> `heterollm_cpu::int4_dot_linear`'s panels
+    (P, K / 8, 64) uint8 and the panel-major scales and minima of `pack_int4_panels` in fp16 (GGUF Q4_1's
+    precision): byte 4n + i of octet-row t holds code[16p + n, 8t + i] in its low nibble and
+    code[16p + n, 8t + 4 + i] in its high one (csrc/int4_dot_linear.cpp). Scales or minima past fp16's
+    range raise ValueError (the caller packs that layer for `int4_linear`)."""
+    if max(scale.abs().max().item(), low.abs().max().item(), 0.0) > torch.finfo(torch.float16).max:
+        raise ValueError("4-bit scales or minima past float16's range")
+    n, k = codes.shape
+    p = -(-n // 16)
+    v = F.pad(codes.to(torch.uint8), (0, 0, 0, 16 * p - n)).view(p, 16, k // 8, 2, 4).permute(0, 2, 3, 1, 4)
+    panels = (v[:, :, 0] | (v[:, :, 1] << 4)).reshape(p, k // 8, 64).contiguous()
+    return panels, _panel_major(scale).half(), _panel_major(low).half()
+
+
+def unpack_int4_quads(panels: torch.Tensor, n: int) -> torch.Tensor:
+    """`pack_int4_quads`' inverse: the (N, K) codes."""
+    p, octets, _ = panels.shape
+    v = torch.stack([panels & 0x0F, panels >> 4], 2).view(p, octets, 2, 16, 4)  # [p, t, h, n, i]
+    return v.permute(0, 3, 1, 2, 4).reshape(p * 16, octets * 8)[:n]
 
 
 def dequantize_int4_panels(panels: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, gs: int,
                            n: int) -> torch.Tensor:
-    """The fp32 (N, K) weight of `pack_int4_panels`' layout: code * scale + min per group (the layout's
-    reference, which the kernel's tests compare against)."""
-    p, pairs, _ = panels.shape
-    v = torch.cat([panels & 0x0F, panels >> 4], -1).view(p, pairs, 16, 2).permute(0, 2, 1, 3)  # (P, 16, K/2, 2)
-    q = v.reshape(p * 16, -1, gs).float()  # (16 P, K / gs, gs)
+    """The fp32 (N, K) weight of `pack_int4_panels`' or `pack_int4_quads`' layout (rows of 64 bytes): code *
+    scale + min per group (the layouts' reference, which the kernels' tests compare against)."""
+    p = panels.shape[0]
+    if panels.shape[-1] == 64:
+        q = F.pad(unpack_int4_quads(panels, n), (0, 0, 0, 16 * p - n)).view(p * 16, -1, gs).float()
+    else:
+        pairs = panels.shape[1]
+        v = torch.cat([panels & 0x0F, panels >> 4], -1).view(p, pairs, 16, 2).permute(0, 2, 1, 3)  # (P, 16, K/2, 2)
+        q = v.reshape(p * 16, -1, gs).float()  # (16 P, K / gs, gs)
+    scales, mins = scales.float(), mins.float()
     w = q * scales.transpose(1, 2).reshape(p * 16, -1, 1) + mins.transpose(1, 2).reshape(p * 16, -1, 1)
     return w.view(p * 16, -1)[:n]
 
 
+def _int4_dot_here() -> bool:
+    """Whether 4-bit weights go on `heterollm_cpu::int4_dot_linear`: the kernels built on a CPU with AVX512-VNNI."""
+    return "avx512_vnni" in _cpu_flags() and kernels.available()
+
+
+def pack_int4(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, dot: bool) -> tuple[torch.Tensor, ...]:
+    """The C++ kernels' layout for (N, K) 4-bit codes with (N, K / G) scales and minima: `pack_int4_quads`
+    where `dot` (AVX512-VNNI), unless a scale or minimum is past fp16's range (that layer keeps fp32 ones on
+    `int4_linear`); `pack_int4_panels` otherwise."""
+    if dot:
+        try:
+            return pack_int4_quads(codes, scale, low)
+        except ValueError:
+            pass
+    return pack_int4_panels(codes, scale, low)
+
+
 class WeightOnlyInt4(LinearMethod):
-    """4-bit codes per group of 32 input features, w = code * scale + min (GGUF's Q4_1). With the
-    CPU kernels built (x86 with AVX2 + FMA, or the kernel's scalar loop elsewhere) the C++ op
-    `heterollm_cpu::int4_linear` (csrc/int4_linear.cpp) multiplies straight from the codes, packed in
-    panels of 16 output channels (`pack_int4_panels`), up to 128 rows: measured on 2 AMD EPYC (AVX2)
-    vCPUs over SmolLM2's layers, 4.5 ms a step at one row against 5.9 ms for the row-major layout
-    before it (torch's `_weight_int4pack_mm_for_cpu` took 900 us for one 1536 x 576 layer, the kernel
-    now 31 us), and within 10% of the prepacked fp32 GEMM at 33-128 rows (bench/RESULTS.md, session 19). Without the kernels, torch's int4 kernel (which takes
-    output rows in sixteens only)."""
+    """4-bit codes per group of 32 input features, w = code * scale + min (GGUF's Q4_1). With the CPU
+    kernels built, the codes are multiplied where they lie, packed once at load:
+    - on CPUs with AVX512-VNNI: `heterollm_cpu::int4_dot_linear` (csrc/int4_dot_linear.cpp), the codes as
+      the unsigned operand of the byte dot product against x rounded to int8 per group of 32 (llama.cpp's
+      Q4_1 x Q8_1 scheme), fp16 scales and minima (`pack_int4_quads`), at every batch size; measured on 2
+      AMD EPYC (Zen 4) vCPUs over SmolLM2's 121 layer shapes in bf16 (bench/linear_kernels.py), 1.2x
+      `int4_linear` at one row and 2.3-2.6x at 4-512 rows (where `int4_linear` dequantizes for the fp32
+      GEMM); the int8 activations add logprob drift (teacher-forced mean 0.060 against 0.045;
+      bench/RESULTS.md, session 21);
+    - elsewhere (x86 with AVX2 + FMA, or the kernel's scalar loop): `heterollm_cpu::int4_linear`
+      (csrc/int4_linear.cpp), x rounded to int16, panels of 16 output channels (`pack_int4_panels`), up
+      to 128 rows, then dequantize + fp32 GEMM: on 2 AMD EPYC (AVX2) vCPUs 4.5 ms a step at one row
+      against 5.9 ms for the row-major layout before it (torch's `_weight_int4pack_mm_for_cpu` took 900 us
+      for one 1536 x 576 layer, the kernel now 31 us), and within 10% of the prepacked fp32 GEMM at 33-128
+      rows (bench/RESULTS.md, session 19).
+    Without the kernels, torch's int4 kernel (which takes output rows in sixteens only)."""
 
     name = "wint4"
     group_size = 32
+
+    def __init__(self) -> None:  # once per model load (select_linear_method)
+        self.dot = _int4_dot_here()
 
     def prepare(self, weight: torch.Tensor) -> tuple:
         n, k = weight.shape
@@ -257,7 +315,7 @@ class WeightOnlyInt4(LinearMethod):
         scale = ((high - low) / 15).clamp(min=1e-12)
         codes = ((w - low[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.int32).view(n, k)
         if use_kernel:
-            return (*pack_int4_panels(codes, scale, low), gs, n)
+            return (*pack_int4(codes, scale, low, self.dot), gs, n)
         packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
         # the kernel computes (code - 8) * scale + zero, so zero = low + 8 * scale
         scales_and_zeros = torch.stack([scale.t(), (low + 8 * scale).t()], -1).contiguous()  # (k / gs, n, 2)
@@ -269,11 +327,13 @@ class WeightOnlyInt4(LinearMethod):
 
 def int4_apply(state: tuple, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ w.T (+ bias) for a state `WeightOnlyInt4.prepare` made (also CheckpointInt4's): the panels, their
-    scales and minima, the group and the output width for the C++ kernel; 3 entries for torch's int4 kernel."""
-    if len(state) == 5:  # prepared for the C++ kernel
+    scales and minima, the group and the output width for the C++ kernels (`int4_dot_linear` for the octet
+    layout of `pack_int4_quads`, rows of 64 bytes; `int4_linear` for `pack_int4_panels`'); 3 entries for
+    torch's int4 kernel."""
+    if len(state) == 5:  # prepared for a C++ kernel
         panels, scales, mins, gs, n = state
-        return _in_kernel_dtype(lambda t, b: torch.ops.heterollm_cpu.int4_linear(t, panels, scales, mins, gs, n, b),
-                                x, bias)
+        op = torch.ops.heterollm_cpu.int4_dot_linear if panels.shape[-1] == 64 else torch.ops.heterollm_cpu.int4_linear
+        return _in_kernel_dtype(lambda t, b: op(t, panels, scales, mins, gs, n, b), x, bias)
     packed, scales_and_zeros, gs = state
     y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), packed, gs, scales_and_zeros)
     return y if bias is None else y + bias
@@ -357,7 +417,9 @@ _INT4_GROUPS = (256, 128, 64, 32)  # the group sizes torch's int4 CPU kernel tak
 
 
 class CheckpointInt4(QuantizedLinearMethod):
-    """GPTQ and AWQ checkpoints (`quantized_linear.gptq`, `quantized_linear.awq`) on the int4 kernel of `wint4`: their
+    """GPTQ and AWQ checkpoints (`quantized_linear.gptq`, `quantized_linear.awq`) on the int4 kernel of `wint4`
+    (`int4_linear` on every CPU: its int16 activations keep the checkpoint's greedy tokens and logprobs those
+    of its dequantized weights, which `int4_dot_linear`'s int8 ones do not): their
     w = (code - zero) * scale per group is the C++ kernel's code * scale + min with min = -zero * scale
     (any group of a multiple of 32 features), or torch's (code - 8) * scale + (8 - zero) * scale where
     the CPU kernels are not built, so the codes go in unchanged. A group wider than torch's kernel's
