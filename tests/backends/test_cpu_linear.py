@@ -545,18 +545,28 @@ def test_int4_kernel_sums_a_wide_group_without_overflow(rows):
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-3)
 
 
-@pytest.mark.skipif(not kernels.available(), reason="CPU kernels not built")
-def test_int4_kernel_refuses_a_layout_that_does_not_match():
-    from heterollm_cpu.linear import pack_int4_panels
+@needs_kernels
+@pytest.mark.parametrize("op", ["int4_linear", "int4_dot_linear"])
+def test_int4_kernels_refuse_a_layout_that_does_not_match(op):
+    from heterollm_cpu.linear import pack_int4_panels, pack_int4_quads
 
-    panels, scales, mins = pack_int4_panels(torch.randint(0, 16, (40, 64)), torch.rand(40, 2), torch.rand(40, 2))
+    codes, scale, low = torch.randint(0, 16, (40, 64)), torch.rand(40, 2), torch.rand(40, 2)
+    panels, scales, mins = (pack_int4_panels if op == "int4_linear" else pack_int4_quads)(codes, scale, low)
+    run = getattr(torch.ops.heterollm_cpu, op)
     x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match="not 50 channels"):
-        torch.ops.heterollm_cpu.int4_linear(x, panels, scales, mins, 32, 50, None)
+        run(x, panels, scales, mins, 32, 50, None)
     with pytest.raises(RuntimeError, match="does not match the panels' 64 features"):
-        torch.ops.heterollm_cpu.int4_linear(torch.randn(2, 96), panels, scales, mins, 32, 40, None)
+        run(torch.randn(2, 96), panels, scales, mins, 32, 40, None)
     with pytest.raises(RuntimeError, match="scales must be contiguous"):
-        torch.ops.heterollm_cpu.int4_linear(x, panels, scales[:, :1], mins, 32, 40, None)
+        run(x, panels, scales[:, :1], mins, 32, 40, None)
+    if op == "int4_dot_linear":
+        with pytest.raises(RuntimeError, match="multiple of 8"):
+            run(x, panels, scales, mins, 12, 40, None)
+        with pytest.raises(RuntimeError, match=r"scales must be contiguous \(P, K / group, 16\) float16"):
+            run(x, panels, scales.float(), mins, 32, 40, None)
+        with pytest.raises(RuntimeError, match=r"panels must be \(P, K / 8, 64\) uint8"):
+            run(x, pack_int4_panels(codes, scale, low)[0], scales, mins, 32, 40, None)
 
 
 @pytest.mark.parametrize("rows", [3, 140])  # the quantized path and the dequantize + GEMM path
@@ -674,25 +684,6 @@ def test_int4_dot_linear_sums_a_wide_group(rows):
     panels, scales, mins = pack_int4_quads(codes, torch.full((n, 1), 0.5), torch.zeros(n, 1))
     y = torch.ops.heterollm_cpu.int4_dot_linear(torch.full((rows, k), 3.0), panels, scales, mins, k, n, None)
     assert (y[:, 0] == 15 * 0.5 * 3.0 * k).all() and (y[:, 1] == 0).all()
-
-
-@needs_kernels
-def test_int4_dot_linear_refuses_a_layout_that_does_not_match():
-    from heterollm_cpu.linear import pack_int4_panels, pack_int4_quads
-
-    codes, scale, low = torch.randint(0, 16, (40, 64)), torch.rand(40, 2), torch.rand(40, 2)
-    panels, scales, mins = pack_int4_quads(codes, scale, low)
-    x = torch.randn(2, 64)
-    with pytest.raises(RuntimeError, match="not 50 channels"):
-        torch.ops.heterollm_cpu.int4_dot_linear(x, panels, scales, mins, 32, 50, None)
-    with pytest.raises(RuntimeError, match="does not match the panels' 64 features"):
-        torch.ops.heterollm_cpu.int4_dot_linear(torch.randn(2, 96), panels, scales, mins, 32, 40, None)
-    with pytest.raises(RuntimeError, match="multiple of 8"):
-        torch.ops.heterollm_cpu.int4_dot_linear(x, panels, scales, mins, 12, 40, None)
-    with pytest.raises(RuntimeError, match=r"scales must be contiguous \(P, K / group, 16\) float16"):
-        torch.ops.heterollm_cpu.int4_dot_linear(x, panels, scales.float(), mins, 32, 40, None)
-    with pytest.raises(RuntimeError, match=r"panels must be \(P, K / 8, 64\) uint8"):
-        torch.ops.heterollm_cpu.int4_dot_linear(x, pack_int4_panels(codes, scale, low)[0], scales, mins, 32, 40, None)
 
 
 def test_wint4_keeps_fp32_scales_for_a_layer_past_fp16s_range(int4_kernel_path):
