@@ -8,7 +8,8 @@ gate_up 3072x576, down 576x1536, and the 49152x576 output projection; 8 layers o
 one after the other on fresh random weights (their bytes exceed the caches, as a decode step's do),
 x of M random rows in --dtype (float32, or bfloat16: what `--dtype auto` picks on a CPU with
 AVX512-bf16). Each method as the engine prepares it (heterollm_cpu.linear): the --dtype weight prepacked
-for oneDNN (`linear.none`), `wint8` on `heterollm_cpu::int8_gemm` and on torch's
+for oneDNN, and in bf16 on a CPU with AVX512_BF16 packed for `heterollm_cpu::bf16_linear` (what `linear.none`
+runs there), `wint8` on `heterollm_cpu::int8_gemm` and on torch's
 `_weight_int8pack_mm` (what wint8 runs without the kernels), `w8a8` on whichever path this CPU takes (int8_dot_gemm with AVX512-VNNI),
 `wint4` on `heterollm_cpu::int4_linear` and, with AVX512-VNNI, on `int4_dot_linear` (what wint4 runs
 there, x rounded to int8 per group of 32). Best of --repeats passes; "x fp32" ("x bf16") is the --dtype
@@ -45,14 +46,19 @@ def main() -> None:
     short = {"float32": "fp32", "bfloat16": "bf16"}[args.dtype]
     base = f"{args.dtype} (oneDNN)"
     weights = [(torch.randn(n, k) * 0.05).to(dtype) for n, k in SHAPES]
+    onednn, dense = cpu_linear.OneDnnLinear(), cpu_linear.OneDnnLinear()
+    onednn.dot = False  # oneDNN's prepacked GEMM, measured beside bf16_linear where the engine takes that
     wint8 = cpu_linear.WeightOnlyInt8()
     wint4_panels, wint4 = cpu_linear.WeightOnlyInt4(), cpu_linear.WeightOnlyInt4()
     wint4_panels.dot = False  # the AVX2 kernel, measured beside the VNNI one where both run
-    methods = {base: cpu_linear.OneDnnLinear(), "wint8 int8_gemm": wint8, "wint8 torch": wint8,
+    methods = {base: onednn}
+    if dense.dot and dtype == torch.bfloat16:
+        methods["bf16_linear"] = dense
+    methods |= {"wint8 int8_gemm": wint8, "wint8 torch": wint8,
                "w8a8": cpu_linear.DynamicInt8(), "wint4 int4_linear": wint4_panels}
     if wint4.dot:
         methods["wint4 int4_dot_linear"] = wint4
-    labels = {"wint8 int8_gemm": "wint8", "wint8 torch": "wint8 torch", "w8a8": "w8a8", "wint4 int4_linear": "wint4",
+    labels = {"bf16_linear": "bf16_linear", "wint8 int8_gemm": "wint8", "wint8 torch": "wint8 torch", "w8a8": "w8a8", "wint4 int4_linear": "wint4",
               "wint4 int4_dot_linear": "wint4 dot"}
     states = {name: [method.prepare(w) for w in weights] for name, method in methods.items() if name != "wint8 torch"}
     # plain codes, the scales in x's dtype: the torch path

@@ -193,7 +193,7 @@ def test_decoder_layers_share_one_compiled_region_each(family, tmp_path, monkeyp
     assert len(regions) == 2 and len(calls) == 2 * 2  # begin and finish; two layers
 
 
-@pytest.mark.parametrize("quantization", [None, "wint8", "wint4", "wint4-vnni", "w8a8"])
+@pytest.mark.parametrize("quantization", [None, "bf16-dot", "wint8", "wint4", "wint4-vnni", "w8a8"])
 def test_every_kernel_a_step_calls_has_a_fake_that_matches_the_real_op(folder, quantization, monkeypatch):
     """The compiled step runs without inductor's size asserts (graph_runner.py), so the C++ kernels'
     fakes must give the real outputs' shapes, dtypes and strides: every heterollm_cpu call of a prefill
@@ -215,8 +215,15 @@ def test_every_kernel_a_step_calls_has_a_fake_that_matches_the_real_op(folder, q
         vnni = cpu_linear._cpu_flags() | {"avx512f", "avx512_vnni"}
         monkeypatch.setattr(cpu_linear, "_cpu_flags", lambda: vnni)
         quantization = "wint4"
+    dtype = "float32"
+    if quantization == "bf16-dot":  # bf16 weights on bf16_linear on any CPU (its scalar loop without AVX512_BF16)
+        import heterollm_cpu.linear as cpu_linear
+
+        bf16 = cpu_linear._cpu_flags() | {"avx512f", "avx512_bf16"}
+        monkeypatch.setattr(cpu_linear, "_cpu_flags", lambda: bf16)
+        quantization, dtype = None, "bfloat16"
     flags = {"quantization": quantization} if quantization else {}
-    llm = LLM(str(folder), dtype="float32", block_size=4, num_gpu_blocks_override=64, **flags)
+    llm = LLM(str(folder), dtype=dtype, block_size=4, num_gpu_blocks_override=64, **flags)
     try:
         with Record():
             llm.generate(PROMPTS[:2], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
@@ -230,6 +237,8 @@ def test_every_kernel_a_step_calls_has_a_fake_that_matches_the_real_op(folder, q
     if quantization in ("wint8", "w8a8"):
         assert names & {"heterollm_cpu.int8_gemm.default", "heterollm_cpu.w8a8_linear.default",
                         "heterollm_cpu.int8_dot_gemm.default"}, names
+    if dtype == "bfloat16":
+        assert "heterollm_cpu.bf16_linear.default" in names, names
     if quantization == "wint4":
         from heterollm_cpu.linear import WeightOnlyInt4
 

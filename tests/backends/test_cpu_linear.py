@@ -1,4 +1,4 @@
-"""CPU linear methods (`linear.none` prepacked, `linear.wint8`, `linear.wint4`, `linear.w8a8`) against
+"""CPU linear methods (`linear.none` prepacked or on `bf16_linear`, `linear.wint8`, `linear.wint4`, `linear.w8a8`) against
 F.linear, the op-registry fallback that selects them, and their errors."""
 import logging
 
@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from heterollm.model_executor import ops
 from heterollm.model_executor.linear_method import model_bytes, prepare_linears, select_linear_method
 from heterollm_cpu import kernels
-from heterollm_cpu.linear import (DynamicInt8, OneDnnLinear, WeightOnlyInt4, WeightOnlyInt8, int8_per_channel,
-                                  pack_int8_panels, pack_int8_quads, unpack_int8_panels, unpack_int8_quads,
-                                  w8a8_reference)
+from heterollm_cpu.linear import (Bf16Panels, DynamicInt8, OneDnnLinear, PackedWeight, WeightOnlyInt4, WeightOnlyInt8,
+                                  int8_per_channel, pack_bf16_panels, pack_int8_panels, pack_int8_quads,
+                                  unpack_bf16_panels, unpack_int8_panels, unpack_int8_quads, w8a8_reference)
 
 
 def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -28,6 +28,110 @@ def test_prepacked_matches_f_linear(dtype, rows):
     assert y.dtype == dtype and y.shape == (rows, 96)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(y.float(), F.linear(x, w, b).float(), atol=tol * 10, rtol=tol)
+
+
+@pytest.fixture
+def bf16_dot(monkeypatch):
+    """`linear.none` with bf16 weights on `heterollm_cpu::bf16_linear` on any CPU (its scalar loop without
+    AVX512_BF16)."""
+    if not kernels.available():
+        pytest.skip("CPU kernels not built")
+    import heterollm_cpu.linear as cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "_cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    return OneDnnLinear()
+
+
+@pytest.mark.parametrize("n, k", [(40, 64), (33, 66), (16, 2), (100, 600), (1, 4)])
+def test_bf16_panels_round_trip(n, k):
+    w = torch.randn(n, k).bfloat16()
+    panels = pack_bf16_panels(w)
+    assert panels.shape == (-(-n // 16), k // 2, 32) and panels.is_contiguous()
+    assert torch.equal(unpack_bf16_panels(panels, n), w)
+    c = (n - 1) % 16  # the last channel's last pair: in its panel's last pair-row, at 2c, 2c + 1
+    assert torch.equal(panels[-1, -1, 2 * c:2 * c + 2], w[n - 1, k - 2:])
+    assert not unpack_bf16_panels(panels, panels.shape[0] * 16)[n:].any()  # the padding channels are zeros
+    with pytest.raises(ValueError, match="even in_features"):
+        pack_bf16_panels(torch.randn(4, 5).bfloat16())
+
+
+def _fp32_sum_bound(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """|bf16_linear - exact| allowed: bf16 products are exact in fp32, the fp32 sums of K terms err by at most
+    K eps32 sum |x w|, and the result is rounded to bf16 once (half an ulp, 2^-9 relative)."""
+    k = x.shape[-1]
+    return ref.abs() * 2.0 ** -8 + k * 2.0 ** -23 * (x.double().abs() @ w.double().abs().T) + 1e-30
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows, n, k", [(1, 40, 64), (2, 33, 66), (3, 16, 2), (4, 17, 96), (5, 100, 600),
+                                        (9, 1, 64), (1, 49, 1536), (200, 48, 1536), (0, 40, 64)])
+def test_bf16_linear_is_the_exact_product_rounded_once(bf16_dot, rows, n, k, bias):
+    """`bf16_linear` against the float64 product of the same bf16 values: within the fp32 sum's error and
+    one bf16 rounding, for tiles of 1-4 rows and their tails, panels cut short (N not a multiple of 16, one
+    panel of a pair), K of one pair and K past a row block (200 x 1536: three blocks of 84 rows)."""
+    torch.manual_seed(rows * 7 + n + k)
+    w, x = torch.randn(n, k).bfloat16(), torch.randn(rows, k).bfloat16()
+    b = torch.randn(n).bfloat16() if bias else None
+    state = bf16_dot.prepare(w)
+    assert isinstance(state, Bf16Panels) and state.n == n
+    y = bf16_dot.apply(state, x, b)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    assert ((y.double() - ref).abs() <= _fp32_sum_bound(x, w, ref) + (ref.abs() * 2.0 ** -8 if bias else 0)).all()
+    if rows:
+        err = (y.double() - ref).abs().max()
+        assert err < 0.1 * ref.abs().max()  # not zeros, not another channel's sums
+
+
+def test_bf16_linear_leading_dims_other_dtypes_and_rows_of_nan(bf16_dot):
+    torch.manual_seed(0)
+    w, b = torch.randn(40, 64).bfloat16(), torch.randn(40).bfloat16()
+    state = bf16_dot.prepare(w)
+    x = torch.randn(2, 3, 64).bfloat16()
+    y = bf16_dot.apply(state, x, b)
+    assert y.shape == (2, 3, 40)
+    torch.testing.assert_close(y, bf16_dot.apply(state, x.reshape(6, 64), b).view(2, 3, 40), atol=0, rtol=0)
+    x32 = torch.randn(3, 64)  # fp32 activations on a bf16 weight: through bf16 and back
+    y32 = bf16_dot.apply(state, x32, b.float())
+    assert y32.dtype == torch.float32
+    torch.testing.assert_close(y32, bf16_dot.apply(state, x32.bfloat16(), b).float(), atol=0, rtol=0)
+    x[1, 2, 5] = float("nan")
+    y = bf16_dot.apply(state, x, b)
+    assert y[1, 2].isnan().all() and not y.view(6, 40)[[0, 1, 2, 3, 4]].isnan().any()
+
+
+def test_bf16_linear_routes_only_even_bf16_weights(bf16_dot):
+    assert isinstance(bf16_dot.prepare(torch.randn(8, 64).bfloat16()), Bf16Panels)
+    assert not isinstance(bf16_dot.prepare(torch.randn(8, 63).bfloat16()), Bf16Panels)  # odd K: oneDNN / F.linear
+    assert not isinstance(bf16_dot.prepare(torch.randn(8, 64)), Bf16Panels)  # fp32
+
+
+def test_bf16_linear_reload_refreshes_the_panels_in_place(bf16_dot):
+    """`--dynamic_load_weight`: a compiled step holds the panels tensor, so new weights go into it."""
+    w, w2, x = torch.randn(24, 64).bfloat16(), torch.randn(24, 64).bfloat16(), torch.randn(2, 64).bfloat16()
+    state = bf16_dot.prepare(w)
+    panels = state.panels
+    assert bf16_dot.reload(state, w2) is state and state.panels is panels
+    torch.testing.assert_close(bf16_dot.apply(state, x, None), bf16_dot.apply(bf16_dot.prepare(w2), x, None),
+                               atol=0, rtol=0)
+    wider = bf16_dot.reload(state, torch.randn(32, 64).bfloat16())  # another shape: a fresh state
+    assert wider.n == 32
+
+
+@pytest.mark.skipif(not kernels.available(), reason="CPU kernels not built")
+def test_bf16_linear_refuses_mismatched_inputs():
+    panels = pack_bf16_panels(torch.randn(40, 64).bfloat16())
+    op = torch.ops.heterollm_cpu.bf16_linear
+    with pytest.raises(RuntimeError, match="x and panels must be bfloat16"):
+        op(torch.randn(2, 64), panels, 40, None)
+    with pytest.raises(RuntimeError, match="x has 62 features, the panels 64"):
+        op(torch.randn(2, 62).bfloat16(), panels, 40, None)
+    with pytest.raises(RuntimeError, match="3 panels hold 33-48 output channels, not 49"):
+        op(torch.randn(2, 64).bfloat16(), panels, 49, None)
+    with pytest.raises(RuntimeError, match="bias must be a vector of 40"):
+        op(torch.randn(2, 64).bfloat16(), panels, 40, torch.randn(39).bfloat16())
+    with pytest.raises(RuntimeError, match="contiguous"):
+        op(torch.randn(2, 64).bfloat16(), panels.transpose(0, 1), 40, None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -75,12 +75,15 @@ def test_an_explicit_bf16_without_native_support_runs_and_says_so(tmp_path, monk
 
     from helpers import build_tiny_model
     from heterollm import LLM, SamplingParams
-    from heterollm_cpu.linear import OneDnnLinear, PackedWeight
+    from heterollm_cpu.linear import Bf16Panels, OneDnnLinear, PackedWeight, _bf16_dot_here
     from heterollm_cpu.platform import CpuPlatform
 
     monkeypatch.setattr(CpuPlatform, "supports_dtype", lambda self, dtype: native or dtype == "float32")
     if not native:  # as on an AVX2-only CPU, whatever this one has
+        import heterollm_cpu.linear as cpu_linear
+
         monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+        monkeypatch.setattr(cpu_linear, "_bf16_dot_here", lambda: False)
     folder = build_tiny_model(tmp_path / "m", "llama")
     with caplog.at_level(logging.WARNING, logger="heterollm.engine"):
         llm = LLM(str(folder), dtype="bfloat16", num_gpu_blocks_override=32, max_model_len=64)
@@ -93,7 +96,10 @@ def test_an_explicit_bf16_without_native_support_runs_and_says_so(tmp_path, monk
             "here)"])
         layer = llm.engine.executor.runner.model.model.layers[0].mlp.down_proj
         assert isinstance(layer.method, OneDnnLinear)
-        assert not native or not torch.ops.mkldnn._is_mkldnn_bf16_supported() or isinstance(layer.state, PackedWeight)
+        if native and _bf16_dot_here():  # AVX512_BF16 and the kernels: bf16_linear
+            assert isinstance(layer.state, Bf16Panels)
+        elif native and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            assert isinstance(layer.state, PackedWeight)
         if not native:
             assert isinstance(layer.state, torch.Tensor) and layer.state.dtype == torch.bfloat16
         [out] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))

@@ -7,7 +7,8 @@ the fused `rms_norm`, `silu_and_mul` and `rotary_embedding` (fused.py puts them 
 and `csrc/int8_linear.cpp` the W8A8 linear of `--quantization w8a8`, `csrc/int4_linear.cpp` the 4-bit
 weight-only linear of `--quantization wint4` (linear.py), `csrc/int8_gemm.cpp` the int8-weight GEMM of
 `wint8` (and of `w8a8` on CPUs without int8 dot products), `csrc/int8_dot_gemm.cpp` `w8a8`'s GEMM on CPUs
-with AVX512-VNNI, `csrc/int4_dot_linear.cpp` `wint4`'s on CPUs with AVX512-VNNI, `csrc/kv_store.cpp` the paged cache's store
+with AVX512-VNNI, `csrc/int4_dot_linear.cpp` `wint4`'s on CPUs with AVX512-VNNI, `csrc/bf16_linear.cpp` the unquantized bf16
+linear on CPUs with AVX512_BF16, `csrc/kv_store.cpp` the paged cache's store
 (`store_kv`, attention.py),
 through torch.utils.cpp_extension (g++, `-O3 -march=native -ffast-math`: the build targets this CPU's vector units, exp from glibc's
 libmvec).
@@ -37,7 +38,7 @@ SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp"
                                                                  "fused_ops.cpp", "int8_linear.cpp",
                                                                  "int4_linear.cpp", "kv_store.cpp",
                                                                  "int8_gemm.cpp", "int8_dot_gemm.cpp",
-                                                                 "int4_dot_linear.cpp")]
+                                                                 "int4_dot_linear.cpp", "bf16_linear.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 LDFLAGS = ["-fopenmp", "-lmvec"]
 _loaded: bool | None = None
@@ -152,6 +153,10 @@ def _register_fake() -> None:
 
     @torch.library.register_fake("heterollm_cpu::int4_dot_linear")
     def _(x, panels, scales, mins, group, n, bias):
+        return x.new_empty(*x.shape[:-1], n)
+
+    @torch.library.register_fake("heterollm_cpu::bf16_linear")
+    def _(x, panels, n, bias):
         return x.new_empty(*x.shape[:-1], n)
 
 
