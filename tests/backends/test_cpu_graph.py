@@ -12,7 +12,7 @@ from heterollm.config import load_config
 from heterollm.interfaces import AttentionInputs, ForwardContext, StepInputs
 from heterollm.model_executor.paged_attention import TorchPagedAttention
 from heterollm_cpu.attention import CpuPagedAttention
-from heterollm_cpu.graph_runner import CpuGraphRunner, inductor_options
+from heterollm_cpu.graph_runner import MODEL_GUARDS_SKIPPED, CpuGraphRunner, inductor_options, model_guard_filter
 from helpers import build_tiny_model, hf_greedy
 
 PROMPTS = [[5, 6, 7], list(range(100, 130)), [9] * 4]
@@ -163,6 +163,44 @@ def test_the_trusted_vector_isas_are_the_ones_inductor_probes():
     assert trusted == probed and trusted[0]
 
 
+def test_the_guard_filter_skips_only_the_models_structure_and_weight_metadata():
+    from types import SimpleNamespace as Entry
+
+    def kept(guard_type, name, is_global=False):
+        return model_guard_filter([Entry(guard_type=guard_type, name=name, is_global=is_global)])[0]
+
+    weight = "self.model._modules['model']._modules['norm']._parameters['weight']"
+    for guard_type in MODEL_GUARDS_SKIPPED:
+        assert not kept(guard_type, weight)
+        assert kept(guard_type, "inputs.ctx.kv_caches[0]")  # the step's inputs: every guard kept
+        assert kept(guard_type, "self.model", is_global=True)
+    assert kept("TYPE_MATCH", "self")  # the runner itself
+    for guard_type in ("CONSTANT_MATCH", "EQUALS_MATCH", "DUPLICATE_INPUT", "ID_MATCH"):  # the model's values
+        assert kept(guard_type, "self.model._modules['model'].num_layers")
+
+
+def test_compiled_steps_take_reloaded_weights(tmp_path):
+    """--dynamic_load_weight under --enable_graph: the compiled step (which skips the guards on the
+    weights' metadata) multiplies with model B's weights after the reload, as transformers running B
+    does, and compiles nothing again."""
+    from torch._dynamo.utils import counters
+
+    a, b = build_tiny_model(tmp_path / "a", "llama", seed=0), build_tiny_model(tmp_path / "b", "llama", seed=1)
+    prompt, greedy = list(range(300, 324)), SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    llm = LLM(str(a), dtype="float32", block_size=4, num_gpu_blocks_override=64, enable_graph=True,
+              dynamic_load_weight=1, enable_prefix_cache=False)
+    try:
+        runner = llm.engine.executor.runner
+        assert llm.generate([prompt], greedy)[0].outputs[0].token_ids == hf_greedy(a, [prompt], 10)[0]
+        replays, frames = runner.graph_runner.num_replays, counters["stats"]["unique_graphs"]
+        llm.update_weights(path=str(b))
+        assert llm.generate([prompt], greedy)[0].outputs[0].token_ids == hf_greedy(b, [prompt], 10)[0]
+        assert runner.graph_runner.num_replays >= replays + 9
+        assert counters["stats"]["unique_graphs"] == frames
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_decoder_layers_share_one_compiled_region_each(family, tmp_path, monkeypatch):
     """The compiled step holds one graph of the layer before its attention and one after it, which
@@ -177,8 +215,10 @@ def test_decoder_layers_share_one_compiled_region_each(family, tmp_path, monkeyp
         return compile_fx(gm, example_inputs, config_patches=patches)
 
     def compile_recording(fn, options=None, **kw):  # the runner's inductor options go to compile_fx
-        patches.update(options or {})
-        return compile(fn, backend=recording, **kw)
+        options = dict(options or {})
+        guard_filter = options.pop("guard_filter_fn")  # torch.compile's own, not inductor's
+        patches.update(options)
+        return compile(fn, backend=recording, options={"guard_filter_fn": guard_filter}, **kw)
 
     folder = build_tiny_model(tmp_path / family, family)
     eager_tokens, _, _ = _run(folder, PROMPTS)
