@@ -3,7 +3,8 @@
 - `linear.none`: bf16 weights on a CPU with AVX512_BF16, where the kernels are built, packed once in
   panels of 16 output channels for `heterollm_cpu::bf16_linear` (csrc/bf16_linear.cpp, the bf16 pair dot
   product; `pack_bf16_panels`): measured on 2 AMD EPYC (Zen 4) vCPUs over SmolLM2-135M's layer shapes,
-  1.4-1.7x oneDNN's prepacked bf16 GEMM at 1-2 rows, 1.2-1.3x at 4-64, even at 512-2,048 (session 22).
+  1.95x oneDNN's prepacked bf16 GEMM at one row, 1.5-1.6x at 2-4, 1.1-1.2x at 16-64, even at 512-2,048
+  (bench/RESULTS.md, session 22).
   Other bf16/fp32 weights reordered once into oneDNN's blocked layout, multiplied with
   `mkldnn._linear_pointwise` (what torch.compile's CPU backend does with frozen weights). Measured
   on a 2-core AVX-512-bf16 machine: 1.1-1.4x faster than `F.linear` at 64 rows, up to 2.5x at 1

@@ -6,8 +6,8 @@
 // and a thread reads its panels front to back: one sequential stream, which the hardware prefetchers
 // follow at the memory's pace where the (N, K) row-major layout's many short rows and oneDNN's blocked
 // layout reach about half of it at one row. Measured on 2 AMD EPYC (Zen 4) vCPUs over SmolLM2-135M's
-// 121 layer shapes (bench/linear_kernels.py --dtype bfloat16, session 22): 1.4-1.7x oneDNN's prepacked
-// bf16 GEMM at 1-2 rows (a decode step), 1.2-1.3x at 4-64, even at 512-2,048 (prefill).
+// 121 layer shapes (bench/linear_kernels.py --dtype bfloat16, session 22): 1.95x oneDNN's prepacked
+// bf16 GEMM at one row (35 GB/s), 1.5-1.6x at 2-4, 1.1-1.2x at 16-64, even at 512-2,048 (prefill).
 //
 // bf16_linear(x (..., K) bf16, panels (P, K / 2, 32) bf16, N, bias (N) or None) -> (..., N) bf16
 // N is padded to panels of 16 with zero channels, whose outputs are never stored. Rows go in blocks of
