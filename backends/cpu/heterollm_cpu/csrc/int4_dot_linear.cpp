@@ -30,10 +30,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
-#include <immintrin.h>
-#define HETEROLLM_VNNI 1
-#endif
 
 namespace {
 

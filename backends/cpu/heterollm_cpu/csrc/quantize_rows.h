@@ -22,6 +22,10 @@
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+// the byte dot product the int8 x int8 kernels use where the CPU has it (int8_dot_gemm.cpp, int4_dot_linear.cpp)
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#define HETEROLLM_VNNI 1
+#endif
 
 #include "scalar_types.h"
 
