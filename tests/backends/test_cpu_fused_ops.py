@@ -160,3 +160,57 @@ def test_a_nan_stays_in_its_row():
     assert bool(ours[0].isnan().all()) and torch.equal(ours[1], theirs[1])
     out = torch.ops.heterollm_cpu.silu_and_mul(x, x)
     assert math.isnan(float(out[0, 1])) and not bool(out[1].isnan().any())
+
+
+def _argmax_cases():
+    """(name, logits fp32): rows the vector loop and its tail both decide, ties across and within
+    lanes, NaNs in the vector part and in the tail, all -inf, +inf, short rows (the scalar loop)."""
+    g = torch.Generator().manual_seed(7)
+    yield "random", torch.randn(9, 49152, generator=g)
+    for n in (1, 2, 15, 16, 31, 32, 33, 47, 48, 100):
+        yield f"width {n}", torch.randn(5, n, generator=g) * 10
+    ties = torch.zeros(6, 100)
+    ties[0, [3, 19, 35]] = 5.0         # the same maximum in three lanes: the first index
+    ties[1, [40, 8]] = 5.0             # a later lane holds the smaller index
+    ties[2, [20, 36, 99]] = 5.0        # two in one lane, one in the tail
+    ties[3, [97, 98]] = 5.0            # only in the tail
+    ties[4] = -float("inf")            # all -inf: index 0
+    ties[5, [50, 70]] = float("inf")
+    yield "ties", ties
+    nans = torch.randn(6, 100, generator=g)
+    nans[0, 37] = float("nan")
+    nans[1, [5, 60]] = float("nan")    # the first NaN, not the largest value
+    nans[2, 99] = float("nan")         # in the tail
+    nans[3, 0] = float("nan")
+    nans[4, :] = float("nan")
+    yield "nans", nans
+    short_nan = torch.tensor([[1.0, float("nan"), 3.0], [float("nan"), 1.0, float("nan")]])
+    yield "short nans", short_nan
+    # bf16 values that are equal only after rounding: ties the kernel must see as ties
+    yield "bf16 ties", torch.tensor([[1.0, 1.001, 1.002, 0.5] * 10])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_is_torch_argmax_of_the_fp32_logits(dtype):
+    for name, logits in _argmax_cases():
+        x = logits.to(dtype)
+        want = x.float().argmax(-1)
+        got = torch.ops.heterollm_cpu.argmax_rows(x)
+        assert got.dtype == torch.long and torch.equal(got, want), (name, got, want)
+
+
+def test_argmax_rows_reads_strided_rows_and_the_registry_serves_it():
+    wide = torch.randn(4, 200).to(torch.bfloat16)
+    view = wide[:, 3:180]  # rows of 177 values, 200 apart
+    assert torch.equal(torch.ops.heterollm_cpu.argmax_rows(view), view.float().argmax(-1))
+    t = torch.randn(50, 3).t()  # values strided: copied first
+    assert torch.equal(torch.ops.heterollm_cpu.argmax_rows(t), t.argmax(-1))
+    x16 = torch.randn(3, 8, dtype=torch.float16)  # a dtype the kernel does not take: the torch definition
+    assert torch.equal(fused.argmax(x16), ops.argmax(x16))
+    assert torch.equal(fused.argmax(view), view.float().argmax(-1))
+    with pytest.raises(RuntimeError, match="rows, vocab"):
+        torch.ops.heterollm_cpu.argmax_rows(torch.randn(8))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.heterollm_cpu.argmax_rows(torch.randn(2, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="empty row"):
+        torch.ops.heterollm_cpu.argmax_rows(torch.randn(2, 0))

@@ -107,3 +107,52 @@ def test_bad_params_name_the_field(kwargs, field):
     with pytest.raises(SamplingParamsError) as info:
         SamplingParams(**kwargs)
     assert info.value.field == field and str(info.value).startswith(field)
+
+
+def _spy_argmax(monkeypatch):
+    from heterollm.model_executor import ops
+
+    calls = []
+    real = ops.get("argmax")
+
+    def spy(logits):
+        calls.append(logits.dtype)
+        return real(logits)
+
+    monkeypatch.setitem(ops._ACTIVE, "argmax", spy)
+    return calls
+
+
+def test_plain_greedy_rows_take_the_registry_argmax_on_the_raw_logits(monkeypatch):
+    """A batch of plain greedy rows is one argmax of the op registry on the logits in their own dtype
+    (no fp32 copy); it picks what the full path picks, ties and bf16 included."""
+    calls = _spy_argmax(monkeypatch)
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 300, generator=g).to(torch.bfloat16)
+    logits[2, [10, 200]] = 9.0  # a tie: the first
+    rows = [row(SamplingParams(temperature=0)) for _ in range(5)] + [row(SamplingParams(top_k=1, temperature=0.8))]
+    tokens, lps = Sampler()(logits, rows)
+    assert calls == [torch.bfloat16] and lps == [None] * 6
+    assert tokens == logits.float().argmax(-1).tolist() and tokens[2] == 10
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, logprobs=2),
+    SamplingParams(temperature=0, repetition_penalty=1.5),
+    SamplingParams(temperature=0, logit_bias={4: 100.0}),
+    SamplingParams(temperature=0, allowed_token_ids=[2, 3]),
+    SamplingParams(temperature=0.7, seed=1),
+])
+def test_rows_that_change_or_report_the_logits_leave_the_fast_path(monkeypatch, params):
+    """One row with logprobs, a penalty, a bias, an allow list, or sampling sends the batch through the
+    full path, and that row gets what it asked for."""
+    calls = _spy_argmax(monkeypatch)
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, 0.5]] * 2)
+    tokens, lps = Sampler()(logits, [row(SamplingParams(temperature=0)), row(params, out=[1], prompt=[1])])
+    assert calls == [] and tokens[0] == 1
+    if params.logit_bias:
+        assert tokens[1] == 4
+    if params.allowed_token_ids:
+        assert tokens[1] == 3
+    if params.logprobs:
+        assert lps[1] is not None and lps[0] is None

@@ -1,5 +1,6 @@
 """The CPU backend's op-registry entries: its linear methods (linear.py) and, where the C++ kernels
-are built (kernels.py), fused `rms_norm`, `silu_and_mul` and `rotary_embedding`.
+are built (kernels.py), fused `rms_norm`, `silu_and_mul` and `rotary_embedding`, and greedy sampling's
+`argmax` on the logits' own dtype (csrc/argmax_rows.cpp).
 
 Each fused op is one pass over memory and one dispatch where the registry's torch definition
 (heterollm.model_executor.ops, the reference) runs 4-8 ops, each reading and writing the whole
@@ -41,7 +42,14 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return ops.rotary_embedding(x, cos, sin)
 
 
-FUSED = {"rms_norm": rms_norm, "silu_and_mul": silu_and_mul, "rotary_embedding": rotary_embedding}
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    if logits.dim() == 2 and logits.dtype in DTYPES and logits.shape[1] > 0 and not torch.compiler.is_compiling():
+        return torch.ops.heterollm_cpu.argmax_rows(logits)
+    return ops.argmax(logits)
+
+
+FUSED = {"rms_norm": rms_norm, "silu_and_mul": silu_and_mul, "rotary_embedding": rotary_embedding,
+         "argmax": argmax}
 
 
 def register_ops(config: Any = None) -> None:

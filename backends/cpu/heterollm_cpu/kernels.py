@@ -38,7 +38,8 @@ SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp"
                                                                  "fused_ops.cpp", "int8_linear.cpp",
                                                                  "int4_linear.cpp", "kv_store.cpp",
                                                                  "int8_gemm.cpp", "int8_dot_gemm.cpp",
-                                                                 "int4_dot_linear.cpp", "bf16_linear.cpp")]
+                                                                 "int4_dot_linear.cpp", "bf16_linear.cpp",
+                                                                 "argmax_rows.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 LDFLAGS = ["-fopenmp", "-lmvec"]
 _loaded: bool | None = None
@@ -158,6 +159,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("heterollm_cpu::bf16_linear")
     def _(x, panels, n, bias):
         return x.new_empty(*x.shape[:-1], n)
+
+    @torch.library.register_fake("heterollm_cpu::argmax_rows")
+    def _(logits):
+        return logits.new_empty(logits.shape[0], dtype=torch.long)
 
 
 def build(verbose: bool = False) -> Path:

@@ -67,6 +67,14 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return torch.cat(((x1 * c).addcmul_(x2, s, value=-1), (x2 * c).addcmul_(x1, s)), dim=-1).to(x.dtype)
 
 
+@register("argmax")
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy sampling's pick: (rows, vocab) logits in any float dtype -> (rows,) int64, each row's index
+    of its largest value (the first of equal ones; a row with a NaN: its first NaN's), as
+    `logits.float().argmax(-1)` gives it. A backend's version may read the logits in their own dtype."""
+    return logits.argmax(-1)
+
+
 @register("fused_moe")
 def fused_moe(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               method: Any = None) -> torch.Tensor:

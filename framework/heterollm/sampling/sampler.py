@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from heterollm.interfaces import TokenLogprobs
+from heterollm.model_executor import ops
 from heterollm.sampling.params import SamplingParams
 
 
@@ -190,6 +191,10 @@ class Sampler:
                  bitmask: torch.Tensor | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
         """`bitmask`: the rows' packed grammar masks (structured output), or None; reported
         logprobs are those of the constrained distribution, as vLLM reports them."""
+        if bitmask is None and all(plain_greedy(r) for r in rows):
+            # the greedy fast path: the op registry's argmax on the logits as they are (a backend's
+            # reads bf16 directly), no fp32 copy, masks or per-row work
+            return ops.get("argmax")(logits).tolist(), [None] * len(rows)
         logits, raw_logprobs = self.prepare(logits, rows, bitmask)
         want_lp = [wants_logprobs(r) for r in rows]
         chosen = logits.argmax(-1)
@@ -218,6 +223,13 @@ class Sampler:
         if any(r.params.has_penalties for r in rows):
             logits = apply_penalties(logits.clone(), rows)
         return logits, raw_logprobs
+
+
+def plain_greedy(row: SamplingRow) -> bool:
+    """Whether the row's token is the argmax of the model's own logits: greedy, and nothing that
+    changes the logits (penalties, logit_bias, allowed or banned tokens) or reports their logprobs."""
+    p = row.params
+    return p.greedy and not p.has_penalties and not p.has_logits_processors and not wants_logprobs(row)
 
 
 def wants_logprobs(row: SamplingRow) -> bool:
