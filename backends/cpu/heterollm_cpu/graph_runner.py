@@ -27,6 +27,7 @@ import torch
 import torch.fx.experimental._config as fx_config
 
 from heterollm.interfaces import DecodeInputs, GraphRunner, StepForward, StepInputs
+from heterollm_cpu.platform import keep_freed_memory
 
 logger = logging.getLogger("heterollm.cpu.graph")
 
@@ -94,7 +95,9 @@ class CpuGraphRunner(GraphRunner):
         (a replay of the same graph, or a second graph where the model's step guards on the batch
         size). `batch_sizes` is empty without `--enable_graph`: then every step runs eagerly; so does
         every step of an attention backend whose metadata names no dynamic dimensions (compiled, it
-        would recompile for every new shape)."""
+        would recompile for every new shape). Called once the weights and the KV cache are in place,
+        it first has malloc keep freed memory from here on (platform.keep_freed_memory)."""
+        keep_freed_memory()
         self.compiled, self.max_batch = None, 0
         if not batch_sizes or not make_inputs(1).ctx.metadata.dynamic_dims():
             return

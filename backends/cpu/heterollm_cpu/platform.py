@@ -1,8 +1,10 @@
 """The CPU platform: always available, system memory, gloo collectives."""
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import platform as host
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,6 +39,42 @@ def _cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
+TRIM_BYTES = 1 << 30
+_kept: bool | None = None
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc keep freed memory for the next allocation instead of handing it back to the
+    kernel (M_MMAP_MAX 0, M_TRIM_THRESHOLD 1 GiB): called once a CPU engine's weights and KV cache are
+    in place. A step's activations above 32 MiB (glibc's largest mmap threshold: a 8,192-token
+    prefill's MLP output is 50 MB) were otherwise mmap'd and unmapped at every op, and each first
+    touch of their pages faulted: 16K minor faults and ~11 ms of a 60 ms int8 GEMM call on 2 Zen 4
+    vCPUs (bench/RESULTS.md, session 23). A free run of more than 1 GiB at the heap's top (a KV cache
+    or an engine shut down) is still returned. Not applied where the user chose: HETEROLLM_CPU_KEEP_FREED=0,
+    any MALLOC_*_ tunable, or another allocator in LD_PRELOAD (tcmalloc, jemalloc); nor off glibc.
+    Returns whether the settings are in force in this process."""
+    global _kept
+    if _kept is not None:
+        return _kept
+    _kept = False
+    user_set = [k for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_",
+                            "MALLOC_TOP_PAD_") if k in os.environ]
+    if os.environ.get("HETEROLLM_CPU_KEEP_FREED", "1") == "0" or user_set or "malloc" in os.environ.get(
+            "LD_PRELOAD", "") or host.libc_ver()[0] != "glibc":
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    _kept = mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_BYTES) == 1
+    if _kept:
+        logger.info("malloc keeps freed memory for reuse (M_MMAP_MAX 0, M_TRIM_THRESHOLD 1 GiB; "
+                    "HETEROLLM_CPU_KEEP_FREED=0 turns this off)")
+    return _kept
 
 
 class CpuPlatform(Platform):
