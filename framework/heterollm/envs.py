@@ -29,3 +29,15 @@ def local_rank() -> int | None:
     """LOCAL_RANK, set by launchers such as torchrun: this process's index among its node's ranks."""
     value = os.environ.get("LOCAL_RANK")
     return int(value) if value else None
+
+
+def api_server_nice() -> int:
+    """HETEROLLM_API_SERVER_NICE (default 10; 0 turns it off): how far `heterollm serve`'s API server
+    process lowers its own CPU priority (os.nice) once its engine cores are running."""
+    value = os.environ.get("HETEROLLM_API_SERVER_NICE", "").strip()
+    if not value:
+        return 10
+    try:
+        return max(0, int(value))
+    except ValueError:
+        raise ValueError(f"HETEROLLM_API_SERVER_NICE={value!r}: expected a whole number (0 turns it off)") from None

@@ -73,6 +73,46 @@ def test_sigterm_drains_in_flight_then_exits_0(long_model):
             proc.wait()
 
 
+def _nice(pid: int) -> int:
+    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[16])  # field 19: nice
+
+
+@pytest.mark.parametrize("setting, lowered", [(None, 10), ("0", 0), ("3", 3)])
+def test_the_api_server_yields_the_cpu_to_its_engine_core(long_model, setting, lowered):
+    """Once the core runs, the API server lowers its own priority (HETEROLLM_API_SERVER_NICE, default
+    10); the engine core keeps the launch's."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "HETEROLLM_API_SERVER_NICE"}
+    if setting is not None:
+        env["HETEROLLM_API_SERVER_NICE"] = setting
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "heterollm.entrypoints.cli", "serve", "--model", str(long_model), "--host=127.0.0.1",
+         f"--port={port}", "--dtype=float32", "--max_model_len=512"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        _wait_health(proc, f"http://127.0.0.1:{port}")
+        cores = spawned_children(proc.pid)
+        assert len(cores) == 1
+        base = os.nice(0)  # the launch's: this test's own
+        assert _nice(cores[0]) == base
+        assert _nice(proc.pid) == min(19, base + lowered)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"model": str(long_model), "prompt": "hi", "max_tokens": 3})
+        assert r.status_code == 200, r.text
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def test_a_bad_api_server_nice_is_a_launch_error(long_model):
+    env = {**os.environ, "HETEROLLM_API_SERVER_NICE": "high"}
+    proc = subprocess.run([sys.executable, "-m", "heterollm.entrypoints.cli", "serve", "--model", str(long_model),
+                           "--host=127.0.0.1", f"--port={free_port()}"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 2 and "HETEROLLM_API_SERVER_NICE='high'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_port_in_use_is_a_one_line_error(cli, long_model):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
