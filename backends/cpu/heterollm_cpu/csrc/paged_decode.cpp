@@ -67,10 +67,19 @@ struct Ahead {
       }
     }
   }
-  // queue items until kAheadLines + `need` lines wait: the next read's lines and the distance
-  template <typename AddItem>
-  inline void fill(int64_t& next, int64_t end, int64_t need, AddItem&& add_item) {
-    while (next < end && queued < kAheadLines + need) add_item(next++);
+  // queue items until kAheadLines + `need` lines wait (the next read's lines and the distance): item i
+  // is row i / kv_heads's key blocks, then its value blocks, of KV head i % kv_heads
+  template <typename KV>
+  inline void fill(int64_t& next, int64_t end, int64_t need, const KV* keys, const KV* values, int64_t kv_heads,
+                   int64_t head_stride, const int64_t* tables, int64_t width, const int64_t* lens,
+                   int64_t block_size, int64_t dim) {
+    for (; next < end && queued < kAheadLines + need; ++next) {
+      const int64_t r = next / kv_heads, h = next % kv_heads;
+      for (const KV* base : {keys, values})
+        for (int64_t start = 0; start < lens[r]; start += block_size)
+          add(base + h * head_stride + tables[r * width + start / block_size] * block_size * dim,
+              std::min(block_size, lens[r] - start) * dim * static_cast<int64_t>(sizeof(KV)));
+    }
   }
 };
 
@@ -184,18 +193,12 @@ void decode_rows(const Q* query, const KV* cache, const int64_t* tables, const i
     std::vector<float> q(group * dim), scores(group * max_len), acc(group * dim), total(group);
     Ahead ahead;
     int64_t queued_items = begin;
-    auto add_item = [&](int64_t it) {
-      const int64_t rr = it / kv_heads, hh = it % kv_heads, ll = lens[rr];
-      for (const KV* base : {keys, values})
-        for (int64_t start = 0; start < ll; start += block_size)
-          ahead.add(base + hh * head_stride + tables[rr * width + start / block_size] * block_size * dim,
-                    std::min(block_size, ll - start) * row_bytes);
-    };
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / kv_heads, h = item % kv_heads;
       const int64_t len = lens[r];
       const int64_t* table = tables + r * width;
-      ahead.fill(queued_items, end, 2 * (len * row_bytes + 63) / 64, add_item);
+      ahead.fill(queued_items, end, 2 * (len * row_bytes + 63) / 64, keys, values, kv_heads, head_stride, tables, width,
+                 lens, block_size, dim);
       if (item == begin) ahead.issue(kAheadLines);
       for (int64_t g = 0; g < group; ++g) {
         const Q* src = query + (r * heads + h * group + g) * dim;
@@ -342,18 +345,12 @@ void decode_rows_bf16(const uint16_t* query, const uint16_t* cache, const int64_
     alignas(64) float lanes[2][16];
     Ahead ahead;
     int64_t queued_items = begin;
-    auto add_item = [&](int64_t it) {
-      const int64_t rr = it / kv_heads, hh = it % kv_heads, ll = lens[rr];
-      for (const uint16_t* base : {keys, values})
-        for (int64_t start = 0; start < ll; start += block_size)
-          ahead.add(base + hh * head_stride + tables[rr * width + start / block_size] * block_size * dim,
-                    std::min(block_size, ll - start) * dim * 2);
-    };
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / kv_heads, h = item % kv_heads;
       const int64_t len = lens[r];
       const int64_t* table = tables + r * width;
-      ahead.fill(queued_items, end, 2 * C * len, add_item);
+      ahead.fill(queued_items, end, 2 * C * len, keys, values, kv_heads, head_stride, tables, width, lens, block_size,
+                 dim);
       if (item == begin) ahead.issue(kAheadLines);
       for (int64_t g = 0; g < group; ++g)
         for (int c = 0; c < C; ++c)
