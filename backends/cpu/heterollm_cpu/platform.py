@@ -49,7 +49,7 @@ _kept: bool | None = None
 def keep_freed_memory() -> bool:
     """Have glibc's malloc keep freed memory for the next allocation instead of handing it back to the
     kernel (M_MMAP_MAX 0, M_TRIM_THRESHOLD 1 GiB): called once a CPU engine's weights and KV cache are
-    in place. A step's activations above 32 MiB (glibc's largest mmap threshold: a 8,192-token
+    in place. A step's activations above 32 MiB (glibc's largest mmap threshold: an 8,192-token
     prefill's MLP output is 50 MB) were otherwise mmap'd and unmapped at every op, and each first
     touch of their pages faulted: 16K minor faults and ~11 ms of a 60 ms int8 GEMM call on 2 Zen 4
     vCPUs (bench/RESULTS.md, session 23). A free run of more than 1 GiB at the heap's top (a KV cache
