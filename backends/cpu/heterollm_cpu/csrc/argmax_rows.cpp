@@ -5,16 +5,15 @@
 // 49,152 fp32 logits at ~6 GB/s on 2 Zen 4 vCPUs, its amax at ~150 GB/s (bench/RESULTS.md, session 23).
 // Rows go to threads whole. The NaN test is on the bits (-ffast-math may drop a floating-point one).
 #include <torch/extension.h>
+#include "quantize_rows.h"  // load16 (AVX-512), and through scalar_types.h bf16_to_float
 #include <ATen/Parallel.h>
 
 #include <cstdint>
 #include <cstring>
-#include <limits>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace {
+
+using namespace heterollm_cpu;
 
 inline uint32_t bits_of(float v) {
   uint32_t b;
@@ -22,12 +21,7 @@ inline uint32_t bits_of(float v) {
   return b;
 }
 inline float value_at(const float* x, int64_t i) { return x[i]; }
-inline float value_at(const uint16_t* x, int64_t i) {
-  const uint32_t b = static_cast<uint32_t>(x[i]) << 16;
-  float f;
-  std::memcpy(&f, &b, sizeof(f));
-  return f;
-}
+inline float value_at(const uint16_t* x, int64_t i) { return bf16_to_float(x[i]); }
 inline bool is_nan_bits(float v) { return (bits_of(v) & 0x7FFFFFFFu) > 0x7F800000u; }
 
 // the scalar loop: elements begin .. n - 1 against (best, at), which the caller has set
@@ -49,14 +43,6 @@ int64_t first_nan(const T* x, int64_t n) {
     if (is_nan_bits(value_at(x, i))) return i;
   return -1;
 }
-
-#if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-#endif
 
 template <typename T>
 int64_t argmax_row(const T* x, int64_t n) {
